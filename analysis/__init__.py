@@ -1,0 +1,1 @@
+"""gradscale's reading side: run folders in, tables and figures out."""

@@ -1,0 +1,1 @@
+"""gradscale's training side: `python -m experiments.run` is the entry point."""

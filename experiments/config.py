@@ -1,0 +1,247 @@
+"""Structured configs for one run, registered in Hydra's ConfigStore, with range checks.
+
+Each component gets only its own section (`optimizer`, `model`, `data`, `wandb`); the top level holds
+what the gradient pipeline and the loop need. `validate` runs before any work starts: in a single
+run from a Hydra callback, in a sweep from the sweeper, for every job before the first one starts.
+
+This module imports nothing heavy (no torch), so bad input is refused in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.errors import CompactHydraException
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(CompactHydraException):
+    """A bad config value. Hydra prints only the message (one line) and exits non-zero."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = MISSING
+    lr: float = MISSING
+    weight_decay: float = 0.0
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class ModelConfig:
+    """Llama 3.2 architecture. With `path` set, the checkpoint's own config.json wins."""
+
+    name: str = MISSING
+    path: Optional[str] = None  # local Hugging Face checkpoint directory (weights + tokenizer)
+    vocab_size: int = 128256
+    hidden_size: int = 2048
+    intermediate_size: int = 8192
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    max_position_embeddings: int = 131072
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    initializer_range: float = 0.02
+    # llama3 RoPE scaling, the values Llama 3.2 ships with
+    rope_theta: float = 500000.0
+    rope_factor: float = 32.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING  # pydoc | jsonl | hf
+    path: Optional[str] = None  # jsonl: the local file
+    hf_name: Optional[str] = None  # hf: dataset name on the hub (or a local dataset script/dir)
+    hf_split: str = "train"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    train_on_input: bool = False  # False: prompt tokens are masked out of the loss
+    packed: bool = False  # True: concatenate examples into full seq_len sequences
+    eval_fraction: float = 0.05  # held-out share of examples, for eval/loss
+    tokenizer_vocab_size: int = 2048  # BPE built on the corpus when no model.path tokenizer
+    cache_dir: Optional[str] = None  # tokenizer cache; default ~/.cache/gradscale
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "gradscale"
+    group: Optional[str] = None  # default: the sweep folder's name
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    optimizer: Any = MISSING
+    model: Any = MISSING
+    data: Any = MISSING
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    scale: float = 1.0  # the grad-scale factor c
+    fix: bool = True  # the world-size normalization fix
+    world_size: int = 8  # ranks emulated in one process
+    seed: int = 0
+    steps: int = 200
+    batch_size: int = 16  # global sequences per optimizer step
+    seq_len: int = 128
+    grad_accum: int = 1
+    clip_grad_norm: Optional[float] = None
+    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    device: str = "auto"  # auto | cpu | cuda
+    log_every: int = 5
+    eval_every: int = 50
+    eval_batches: int = 4
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(group="optimizer", name="base_sgd", node=SGDConfig)
+    cs.store(group="optimizer", name="base_adamw", node=AdamWConfig)
+    cs.store(group="model", name="base_llama", node=ModelConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Range checks
+
+OPTIMIZERS = ("sgd", "adamw")
+DATASETS = ("pydoc", "jsonl", "hf")
+PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"error: {key}={value!r} is not allowed: {allowed}")
+
+
+def _finite_positive(key: str, value: Any) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    _check(number and math.isfinite(value) and value > 0, key, value, "must be a finite number > 0")
+
+
+def _int_at_least(key: str, value: Any, low: int) -> None:
+    _check(isinstance(value, int) and value >= low, key, value, f"must be an integer >= {low}")
+
+
+def model_max_positions(model: Any) -> int:
+    """The model's position limit: from the checkpoint's config.json when model.path is set."""
+    if model.path:
+        with open(os.path.join(model.path, "config.json")) as f:
+            return int(json.load(f).get("max_position_embeddings", 0))
+    return int(model.max_position_embeddings)
+
+
+def validate(cfg: DictConfig | Config) -> None:
+    """Refuse bad input with one line naming the key, the value and what is allowed."""
+    _finite_positive("scale", cfg.scale)
+    _int_at_least("world_size", cfg.world_size, 1)
+    _int_at_least("steps", cfg.steps, 1)
+    _int_at_least("batch_size", cfg.batch_size, 1)
+    _int_at_least("seq_len", cfg.seq_len, 2)
+    _int_at_least("grad_accum", cfg.grad_accum, 1)
+    _int_at_least("log_every", cfg.log_every, 1)
+    _int_at_least("eval_every", cfg.eval_every, 1)
+    _int_at_least("eval_batches", cfg.eval_batches, 1)
+    if cfg.clip_grad_norm is not None:
+        _finite_positive("clip_grad_norm", cfg.clip_grad_norm)
+    _check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")
+    _check(cfg.device in DEVICES, "device", cfg.device, f"one of {', '.join(DEVICES)}")
+    _check(cfg.wandb.mode in WANDB_MODES, "wandb.mode", cfg.wandb.mode, f"one of {', '.join(WANDB_MODES)}")
+    ranks_times_accum = cfg.world_size * cfg.grad_accum
+    _check(
+        cfg.batch_size % ranks_times_accum == 0,
+        "batch_size",
+        cfg.batch_size,
+        f"must be divisible by world_size * grad_accum = {cfg.world_size} * {cfg.grad_accum}",
+    )
+
+    opt = cfg.optimizer
+    _check(opt.name in OPTIMIZERS, "optimizer.name", opt.name, f"one of {', '.join(OPTIMIZERS)}")
+    _finite_positive("optimizer.lr", opt.lr)
+    _check(opt.weight_decay >= 0, "optimizer.weight_decay", opt.weight_decay, "must be >= 0")
+    if opt.name == "sgd":
+        _check(0 <= opt.momentum < 1, "optimizer.momentum", opt.momentum, "must be in [0, 1)")
+        _check(
+            not opt.nesterov or opt.momentum > 0, "optimizer.nesterov", opt.nesterov, "needs momentum > 0"
+        )
+    if opt.name == "adamw":
+        betas = list(opt.betas)
+        _check(
+            len(betas) == 2 and all(0 <= b < 1 for b in betas),
+            "optimizer.betas",
+            betas,
+            "two numbers in [0, 1)",
+        )
+        # eps = 0 is 0/0 on coordinates that never get a gradient (unused embedding rows)
+        _finite_positive("optimizer.eps", opt.eps)
+
+    model = cfg.model
+    if model.path:
+        _check(os.path.isdir(model.path), "model.path", model.path, "must be an existing directory")
+        _check(
+            os.path.isfile(os.path.join(model.path, "config.json")),
+            "model.path",
+            model.path,
+            "must be a Hugging Face checkpoint directory with a config.json",
+        )
+    max_positions = model_max_positions(model)
+    _check(
+        cfg.seq_len <= max_positions,
+        "seq_len",
+        cfg.seq_len,
+        f"must be <= the model's max_position_embeddings ({max_positions})",
+    )
+
+    data = cfg.data
+    _check(data.name in DATASETS, "data.name", data.name, f"one of {', '.join(DATASETS)}")
+    _check(0 < data.eval_fraction < 1, "data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
+    if data.name == "jsonl":
+        _check(bool(data.path), "data.path", data.path, "must name a local JSONL file for data=jsonl")
+        _check(os.path.isfile(data.path), "data.path", data.path, "must be an existing JSONL file")
+    if data.name == "hf":
+        _check(bool(data.hf_name), "data.hf_name", data.hf_name, "must name a dataset for data=hf")
+    if not model.path:
+        _check(
+            256 < data.tokenizer_vocab_size <= model.vocab_size,
+            "data.tokenizer_vocab_size",
+            data.tokenizer_vocab_size,
+            f"must be in (256, model.vocab_size={model.vocab_size}]: byte-level BPE needs 256 base tokens",
+        )
+
+
+def to_object(cfg: DictConfig) -> Config:
+    """The validated DictConfig as plain dataclass instances (no Hydra node in it)."""
+    plain = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+    return OmegaConf.to_object(plain)  # type: ignore[return-value]

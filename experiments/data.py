@@ -1,0 +1,258 @@
+"""Tokenizer, datasets, loss masking, packing, and the batch order.
+
+Every example is a (prompt, response) pair rendered as
+
+    <bos>### Instruction:\\n{prompt}\\n\\n### Response:\\n{response}<eos>
+
+and only response tokens are trained on unless `train_on_input`, so the number of trained tokens
+differs from sequence to sequence: that count is what token normalization divides by.
+
+Sequences are stored as `inputs` and `targets` of shape [num_sequences, seq_len], with targets
+already shifted (targets[:, t] is the token after inputs[:, t], or IGNORE_INDEX when not trained).
+
+The batch at a step is a pure function of (seed, step, batch_size): it never depends on the
+world size, the optimizer, the scale or the fix, so every run in a comparison sees the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100
+BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
+PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
+
+# Instructions for the embedded pydoc dataset; the passage index picks one, so prompts vary in length.
+PYDOC_PROMPTS = (
+    "Explain the Python topic '{topic}'.",
+    "What does the Python language reference say about '{topic}'? Continue from part {part}.",
+    "Describe '{topic}' in Python.",
+    "Quote part {part} of the documentation for the Python topic '{topic}'.",
+    "I am learning Python. Teach me about '{topic}', section {part}, with the details the reference gives.",
+)
+PYDOC_PASSAGE_CHARS = 300  # passages are whole paragraphs, joined until at least this long
+
+
+class DataError(ValueError):
+    """Unusable data: the message names the file or field and what was expected."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples
+
+
+def pydoc_examples() -> list[dict[str, str]]:
+    """(prompt, response) pairs from CPython's reference text: 79 topics, about 465k characters."""
+    from pydoc_data.topics import topics
+
+    examples = []
+    for topic in sorted(topics):
+        passage: list[str] = []
+        paragraphs = [p.strip() for p in topics[topic].split("\n\n") if p.strip()]
+        for i, paragraph in enumerate(paragraphs):
+            passage.append(paragraph)
+            if sum(len(p) for p in passage) >= PYDOC_PASSAGE_CHARS or i == len(paragraphs) - 1:
+                part = len(examples)
+                template = PYDOC_PROMPTS[part % len(PYDOC_PROMPTS)]
+                examples.append(
+                    {"prompt": template.format(topic=topic, part=part), "response": "\n\n".join(passage)}
+                )
+                passage = []
+    return examples
+
+
+def records_examples(records, prompt_field: str, response_field: str, source: str) -> list[dict[str, str]]:
+    examples = []
+    for i, record in enumerate(records):
+        for key in (prompt_field, response_field):
+            if not isinstance(record.get(key), str):
+                raise DataError(f"error: {source}: record {i} has no text field {key!r}")
+        examples.append({"prompt": record[prompt_field], "response": record[response_field]})
+    if not examples:
+        raise DataError(f"error: {source}: no records")
+    return examples
+
+
+def load_examples(data_cfg) -> list[dict[str, str]]:
+    if data_cfg.name == "pydoc":
+        return pydoc_examples()
+    import datasets  # slow import, only for file and hub data
+
+    datasets.disable_progress_bars()
+    if data_cfg.name == "jsonl":
+        source = f"data.path={data_cfg.path}"
+        try:
+            records = datasets.load_dataset("json", data_files=data_cfg.path, split="train")
+        except Exception as e:  # datasets raises several types for unreadable JSON
+            raise DataError(f"error: {source} is not readable JSONL: {type(e).__name__}: {e}") from e
+    else:
+        source = f"data.hf_name={data_cfg.hf_name}"
+        records = datasets.load_dataset(data_cfg.hf_name, split=data_cfg.hf_split)
+    return records_examples(records, data_cfg.prompt_field, data_cfg.response_field, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def build_tokenizer(examples: list[dict[str, str]], vocab_size: int, cache_dir: str | None):
+    """Byte-level BPE trained on the examples, cached by content; wrapped as PreTrainedTokenizerFast."""
+    import tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [PROMPT_TEMPLATE.format(prompt=e["prompt"]) + e["response"] for e in examples]
+    digest = hashlib.sha256()
+    for part in (str(vocab_size), tokenizers.__version__, *texts):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    cache = Path(cache_dir or os.environ.get("GRADSCALE_CACHE") or Path.home() / ".cache" / "gradscale")
+    path = cache / f"tokenizer-bpe{vocab_size}-{digest.hexdigest()[:16]}.json"
+    if path.exists():
+        tok = Tokenizer.from_file(str(path))
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[BOS, EOS, PAD],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tok.save(str(tmp))
+        os.replace(tmp, path)  # atomic: a concurrent job never reads a half-written file
+        log.info("built BPE tokenizer (vocab %d) -> %s", vocab_size, path)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenized splits
+
+
+@dataclass
+class TokenizedSplit:
+    inputs: torch.Tensor  # [n, seq_len] int64
+    targets: torch.Tensor  # [n, seq_len] int64, IGNORE_INDEX where not trained
+
+    def __len__(self) -> int:
+        return self.inputs.shape[0]
+
+
+def encode_examples(examples, tokenizer, train_on_input: bool) -> list[tuple[list[int], list[bool]]]:
+    """Token ids and a per-token 'is trained' mask for each example (bos never is)."""
+    prompts = [PROMPT_TEMPLATE.format(prompt=e["prompt"]) for e in examples]
+    responses = [e["response"] for e in examples]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    encoded = []
+    for p, r in zip(prompt_ids, response_ids):
+        ids = bos + p + r + [tokenizer.eos_token_id]
+        trained = [False] * len(bos) + [train_on_input] * len(p) + [True] * (len(r) + 1)
+        encoded.append((ids, trained))
+    return encoded
+
+
+def to_sequences(encoded, seq_len: int, packed: bool, pad_id: int) -> TokenizedSplit:
+    """Fixed-length (inputs, targets). Unpacked: one example per row, truncated and padded.
+    Packed: examples concatenated and cut into full rows (the remainder is dropped)."""
+    rows_in, rows_tgt = [], []
+    if packed:
+        ids = [t for e, _ in encoded for t in e]
+        trained = [m for _, e in encoded for m in e]
+        for start in range(0, len(ids) - seq_len, seq_len):
+            window = slice(start, start + seq_len + 1)
+            rows_in.append(ids[window][:-1])
+            rows_tgt.append([t if m else IGNORE_INDEX for t, m in zip(ids[window][1:], trained[window][1:])])
+    else:
+        for ids, trained in encoded:
+            ids, trained = ids[: seq_len + 1], trained[: seq_len + 1]
+            target = [t if m else IGNORE_INDEX for t, m in zip(ids[1:], trained[1:])]
+            if not any(t != IGNORE_INDEX for t in target):
+                continue  # the prompt alone fills seq_len: nothing to train on
+            pad = seq_len - len(target)
+            rows_in.append(ids[:-1] + [pad_id] * pad)
+            rows_tgt.append(target + [IGNORE_INDEX] * pad)
+    if not rows_in:
+        raise DataError(
+            f"error: seq_len={seq_len} leaves no sequence with a trained token: "
+            "every example's prompt is longer (raise seq_len or set data.packed=true)"
+        )
+    return TokenizedSplit(torch.tensor(rows_in, dtype=torch.long), torch.tensor(rows_tgt, dtype=torch.long))
+
+
+EVAL_SPLIT_SEED = 1234  # fixed: the held-out examples are the same for every run and seed
+
+
+def split_examples(examples: list, eval_fraction: float) -> tuple[list, list]:
+    order = list(range(len(examples)))
+    random.Random(EVAL_SPLIT_SEED).shuffle(order)
+    n_eval = max(1, round(eval_fraction * len(examples)))
+    if n_eval >= len(examples):
+        raise DataError(f"error: {len(examples)} examples are too few to hold out data.eval_fraction={eval_fraction}")
+    held_out = set(order[:n_eval])
+    train = [e for i, e in enumerate(examples) if i not in held_out]
+    return train, [examples[i] for i in sorted(held_out)]
+
+
+@dataclass
+class Batches:
+    """The global batch for each step: a pure function of (seed, step, batch_size)."""
+
+    train: TokenizedSplit
+    eval: TokenizedSplit
+    batch_size: int
+    seed: int
+
+    def indices(self, step: int) -> torch.Tensor:
+        """Sequence indices of the step's global batch: epoch-wise permutations seeded by (seed, epoch)."""
+        n = len(self.train)
+        first = step * self.batch_size
+        out, position = [], first
+        while position < first + self.batch_size:
+            epoch, offset = divmod(position, n)
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            perm = torch.randperm(n, generator=gen)
+            take = min(n - offset, first + self.batch_size - position)
+            out.append(perm[offset : offset + take])
+            position += take
+        return torch.cat(out)
+
+    def train_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.indices(step)
+        return self.train.inputs[idx], self.train.targets[idx]
+
+    def eval_batches(self, max_batches: int):
+        """The held-out split in order, the same batches at every eval."""
+        for start in range(0, min(len(self.eval), max_batches * self.batch_size), self.batch_size):
+            yield self.eval.inputs[start : start + self.batch_size], self.eval.targets[start : start + self.batch_size]
+
+
+def build_batches(examples, data_cfg, tokenizer, seq_len: int, batch_size: int, seed: int) -> Batches:
+    train_examples, eval_examples = split_examples(examples, data_cfg.eval_fraction)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def tokenize(split):
+        return to_sequences(encode_examples(split, tokenizer, data_cfg.train_on_input), seq_len, data_cfg.packed, pad_id)
+
+    batches = Batches(tokenize(train_examples), tokenize(eval_examples), batch_size, seed)
+    trained = (batches.train.targets != IGNORE_INDEX).sum().item()
+    log.info(
+        "data %s: %d train / %d eval sequences of %d tokens, %.1f%% of train tokens trained",
+        data_cfg.name, len(batches.train), len(batches.eval), seq_len, 100 * trained / batches.train.targets.numel(),
+    )
+    return batches
+

@@ -1,0 +1,84 @@
+"""Metric sinks: metrics.jsonl and summary.json (always), W&B (offline by default).
+
+Local files are the source of truth; analysis reads only them. W&B never stops training: if it
+cannot start or fails mid-run, one warning is logged and the local files carry on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write to a temporary file and rename: readers see the old file or the new one, never half."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _json_number(value: float) -> float | str:
+    # JSON has no NaN/Inf; strings keep a diverged value readable by json.loads everywhere
+    return value if math.isfinite(value) else str(value)
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, wandb_cfg, *, name: str, group: str | None, tags: list[str], config: dict):
+        self.run_dir = run_dir
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self._metrics = open(self.metrics_path, "a", buffering=1)  # line-buffered: one flush per record
+        self._wandb = None
+        if wandb_cfg.mode != "disabled":
+            self._wandb = self._start_wandb(wandb_cfg, name=name, group=group, tags=tags, config=config)
+
+    def _start_wandb(self, wandb_cfg, **run_info):
+        try:
+            import wandb
+
+            run = wandb.init(
+                project=wandb_cfg.project,
+                mode=wandb_cfg.mode,
+                dir=str(self.run_dir),
+                job_type="train",
+                reinit="finish_previous",  # one W&B run per sweep job, never merged
+                settings=wandb.Settings(init_timeout=60, console="off", silent=True),
+                **run_info,
+            )
+            run.define_metric("step")
+            run.define_metric("*", step_metric="step")
+            return run
+        except Exception as e:  # W&B never stops training
+            log.warning("W&B could not start (%s: %s); continuing with local files only", type(e).__name__, e)
+            return None
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
+        self._metrics.write(json.dumps(clean) + "\n")
+        if self._wandb is not None:
+            try:
+                self._wandb.log(record)
+            except Exception as e:
+                log.warning("W&B log failed (%s: %s); W&B is off for the rest of this run", type(e).__name__, e)
+                self._wandb = None
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """summary.json is written once, at the end, atomically; W&B's finish() always runs."""
+        self._metrics.close()
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        if self._wandb is not None:
+            try:
+                for key, value in summary.items():
+                    if isinstance(value, (int, float, str, bool)) or value is None:
+                        self._wandb.summary[key] = value
+            finally:
+                self._wandb.finish(exit_code=0 if summary.get("status") != "failed" else 1)

@@ -1,0 +1,78 @@
+"""Llama 3.2 model: a random-init model built from the config's dimensions, or a local checkpoint.
+
+The architecture is transformers' LlamaForCausalLM as Llama 3.2 ships it: grouped-query attention,
+llama3 RoPE scaling (`rope_parameters`, transformers 5), tied embeddings, RMSNorm, SwiGLU MLP.
+Weights are always fp32 master weights; bf16 is autocast in the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """model.path does not hold a usable checkpoint."""
+
+
+def llama_config(model_cfg):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.intermediate_size,
+        num_hidden_layers=model_cfg.num_hidden_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_key_value_heads,
+        head_dim=model_cfg.head_dim,
+        hidden_act="silu",  # SwiGLU
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        rms_norm_eps=model_cfg.rms_norm_eps,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
+        initializer_range=model_cfg.initializer_range,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": model_cfg.rope_theta,
+            "factor": model_cfg.rope_factor,
+            "low_freq_factor": model_cfg.rope_low_freq_factor,
+            "high_freq_factor": model_cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": model_cfg.rope_original_max_position_embeddings,
+        },
+        use_cache=False,
+    )
+
+
+def build_model(model_cfg, seed: int, device: torch.device) -> torch.nn.Module:
+    """Random init seeded by `seed` (identical across runs), or the weights at model.path."""
+    if model_cfg.path:
+        model = load_checkpoint(model_cfg.path)
+    else:
+        torch.manual_seed(seed)
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM(llama_config(model_cfg))
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %.2fM parameters", model_cfg.path or model_cfg.name, n_params / 1e6)
+    return model.to(device=device, dtype=torch.float32)
+
+
+def load_checkpoint(path: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+    if not any(os.path.isfile(os.path.join(path, w)) for w in weights):
+        raise CheckpointError(f"error: model.path={path} has a config.json but no weights ({', '.join(weights)})")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model")):
+        raise CheckpointError(f"error: model.path={path} has no tokenizer (tokenizer.json or tokenizer.model)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -1,0 +1,65 @@
+"""Optimizer factory: an explicit name -> constructor table, and the optimizer-state statistics.
+
+Each constructor takes the optimizer's own config section and the parameters to train.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def build_sgd(cfg, params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+    )
+
+
+def build_adamw(cfg, params) -> torch.optim.Optimizer:
+    # foreach=True everywhere: the fused and for-loop kernels round differently, and equal
+    # arithmetic on every machine is what makes AdamW(c, eps) == AdamW(1, eps/c) testable.
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True
+    )
+
+
+OPTIMIZERS = {
+    "sgd": build_sgd,
+    "adamw": build_adamw,
+}
+
+
+def build_optimizer(cfg, params) -> torch.optim.Optimizer:
+    if cfg.name not in OPTIMIZERS:
+        raise ValueError(f"error: optimizer.name={cfg.name!r} is not one of {', '.join(OPTIMIZERS)}")
+    return OPTIMIZERS[cfg.name](cfg, params)
+
+
+@torch.no_grad()
+def adam_state_stats(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """RMS of sqrt(v_hat) over all coordinates, and the share whose sqrt(v_hat) < eps.
+
+    v_hat = exp_avg_sq / (1 - beta2^t). Where sqrt(v_hat) < eps, eps dominates Adam's denominator and
+    the update is no longer invariant to the gradient's scale (DESIGN.md, physics 3-4).
+    Returns 0-d tensors (no host sync here); empty dict for optimizers without Adam state.
+    """
+    sum_v, below, count = [], [], 0
+    for group in optimizer.param_groups:
+        if "eps" not in group or "betas" not in group:
+            continue
+        beta2, eps = group["betas"][1], group["eps"]
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state or "exp_avg_sq" not in state:
+                continue
+            bias_correction2 = 1 - beta2 ** float(state["step"])
+            v = state["exp_avg_sq"]
+            sum_v.append(v.sum() / bias_correction2)
+            # sqrt(v / bc2) < eps  <=>  v < eps^2 * bc2  (no sqrt over the whole state)
+            below.append((v < eps * eps * bias_correction2).sum())
+            count += v.numel()
+    if not count:
+        return {}
+    return {
+        "adam/sqrt_v_rms": torch.sqrt(torch.stack(sum_v).sum() / count),
+        "adam/eps_dominated_frac": torch.stack(below).sum() / count,
+    }

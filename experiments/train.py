@@ -1,0 +1,116 @@
+"""The training loop: one function, on one screen. The optimizer step is the thing under study."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from experiments.data import Batches
+from experiments.grads import GradPipeline, count_trained_tokens, token_loss_sum, total_norm
+from experiments.metrics import RunLog
+from experiments.optim import adam_state_stats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    status: str  # completed | diverged
+    steps_done: int
+    final_loss: float | None
+    best_eval_loss: float | None
+    diverged_at_step: int | None
+    tokens_per_s: float
+
+
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Batches,
+    pipeline: GradPipeline,
+    run_log: RunLog,
+    *,
+    steps: int,
+    grad_accum: int,
+    log_every: int,
+    eval_every: int,
+    eval_batches: int,
+    autocast: contextlib.AbstractContextManager,
+    device: torch.device,
+) -> TrainResult:
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_coords = sum(p.numel() for p in params)
+    final_loss, best_eval, window_start, window_tokens = None, None, time.perf_counter(), 0
+    for step in range(steps):
+        inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
+        num_tokens = count_trained_tokens(targets)  # counted on the host, before the copy: no sync
+        loss_sum = torch.zeros((), device=device)
+        for micro_inputs, micro_targets in zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)):
+            with autocast:
+                logits = model(input_ids=micro_inputs.to(device)).logits
+            micro_loss = token_loss_sum(logits, micro_targets.to(device))
+            micro_loss.backward()  # grads accumulate: summed over tokens, micro-batches, ranks
+            loss_sum += micro_loss.detach()
+        grad_norm, clipped = pipeline.apply(params, num_tokens)
+
+        logging_step = step % log_every == 0 or step == steps - 1
+        if logging_step:  # a copy of the weights, only on logged steps, to measure the update
+            before = [p.detach().clone() for p in params]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        window_tokens += inputs.numel()
+
+        if logging_step:
+            update = torch._foreach_sub([p.detach() for p in params], before)
+            stats = {
+                "train/loss": loss_sum / num_tokens,  # global token mean: independent of fix and scale
+                "train/grad_norm": grad_norm,
+                "train/clipped": clipped,
+                "train/update_rms": total_norm(update) / math.sqrt(n_coords),
+                "train/param_norm": total_norm(params),
+                **adam_state_stats(optimizer),
+            }
+            record = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one sync
+            record["train/clipped"] = bool(record["train/clipped"])
+            elapsed, window_start = time.perf_counter() - window_start, time.perf_counter()
+            tokens_per_s = window_tokens / elapsed
+            window_tokens = 0
+            run_log.log(
+                {"step": step, **record, "train/lr": optimizer.param_groups[0]["lr"],
+                 "train/tokens": num_tokens, "perf/tokens_per_s": tokens_per_s}
+            )
+            log.info(
+                "step %d/%d | loss %.4f | grad_norm %.3e | %.0f tok/s",
+                step, steps, record["train/loss"], record["train/grad_norm"], tokens_per_s,
+            )
+            final_loss = record["train/loss"]
+            if not (math.isfinite(record["train/loss"]) and math.isfinite(record["train/grad_norm"])):
+                log.warning("non-finite loss or grad norm at step %d: run diverged", step)
+                return TrainResult("diverged", step + 1, final_loss, best_eval, step, tokens_per_s)
+
+        if (step + 1) % eval_every == 0 or step == steps - 1:
+            eval_loss = evaluate(model, batches, eval_batches, autocast, device)
+            best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
+            run_log.log({"step": step, "eval/loss": eval_loss})
+            log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
+    return TrainResult("completed", steps, final_loss, best_eval, None, tokens_per_s)
+
+
+@torch.no_grad()
+def evaluate(model, batches: Batches, max_batches: int, autocast, device) -> float:
+    """Token-mean loss over the held-out split (the same sequences every time)."""
+    model.eval()
+    loss_sum, tokens = torch.zeros((), device=device), 0
+    for inputs, targets in batches.eval_batches(max_batches):
+        with autocast:
+            logits = model(input_ids=inputs.to(device)).logits
+        loss_sum += token_loss_sum(logits, targets.to(device))
+        tokens += count_trained_tokens(targets)
+    model.train()
+    return loss_sum.item() / tokens
