@@ -32,7 +32,7 @@ def sweep_runs(sweep_dir: Path) -> list[dict[str, Any]]:
         overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
         summary_file = job_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {"status": "interrupted"}
-        rows.append({"dir": job_dir.name, "overrides": " ".join(overrides), **summary})
+        rows.append({**summary, "dir": job_dir.name, "overrides": " ".join(overrides)})
     return rows
 
 

@@ -1,0 +1,89 @@
+"""Shared fixtures: a tiny, fast config; in-process composition and runs; the CLI as a subprocess.
+
+No network anywhere: W&B disabled unless a test turns it offline, hub access off, the tokenizer
+cache in a per-session temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF = ROOT / "conf"
+
+OFFLINE_ENV = {
+    "WANDB_MODE": "disabled",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+os.environ.update(OFFLINE_ENV)
+
+# small enough for a run to take well under a second after start-up
+TINY = [
+    "steps=4", "batch_size=8", "seq_len=64", "log_every=1", "eval_every=2", "eval_batches=1", "wandb.mode=disabled",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gradscale-cache")
+    os.environ["GRADSCALE_CACHE"] = str(path)
+    return path
+
+
+def compose(overrides: list[str]):
+    """The composed DictConfig for these overrides, exactly as the CLI would build it (no hydra node)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from experiments.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def run_in_process(run_dir: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
+    """Validate, build and train as `experiments.run` does; returns (result, metrics records)."""
+    from experiments.config import to_object, validate
+    from experiments.metrics import RunLog
+    from experiments.run import run
+
+    cfg = compose([*TINY, *overrides])
+    validate(cfg)
+    run_cfg = to_object(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_log = RunLog(run_dir, run_cfg.wandb, name="test", group=None, tags=[], config={})
+    result = run(run_cfg, run_dir, run_log)
+    run_log.finish(result)
+    return result, read_metrics(run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    return [r for r in records if "train/loss" in r]
+
+
+@pytest.fixture
+def cli(cache_dir):
+    """Run `python -m experiments.run ARGS` in the project root; returns the CompletedProcess."""
+
+    def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+        env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": ""}
+        env.pop("HYDRA_FULL_ERROR")
+        return subprocess.run(
+            [sys.executable, "-m", "experiments.run", *args],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        )
+
+    return _run
