@@ -13,7 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
@@ -47,7 +47,7 @@ class SGDConfig(OptimizerConfig):
 class AdamWConfig(OptimizerConfig):
     name: str = "adamw"
     lr: float = 1e-3
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
 
 
@@ -56,7 +56,7 @@ class ModelConfig:
     """Llama 3.2 architecture. With `path` set, the checkpoint's own config.json wins."""
 
     name: str = MISSING
-    path: Optional[str] = None  # local Hugging Face checkpoint directory (weights + tokenizer)
+    path: str | None = None  # local Hugging Face checkpoint directory (weights + tokenizer)
     vocab_size: int = 128256
     hidden_size: int = 2048
     intermediate_size: int = 8192
@@ -79,8 +79,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = MISSING  # pydoc | jsonl | hf
-    path: Optional[str] = None  # jsonl: the local file
-    hf_name: Optional[str] = None  # hf: dataset name on the hub (or a local dataset script/dir)
+    path: str | None = None  # jsonl: the local file
+    hf_name: str | None = None  # hf: dataset name on the hub (or a local dataset script/dir)
     hf_split: str = "train"
     prompt_field: str = "prompt"
     response_field: str = "response"
@@ -88,15 +88,15 @@ class DataConfig:
     packed: bool = False  # True: concatenate examples into full seq_len sequences
     eval_fraction: float = 0.05  # held-out share of examples, for eval/loss
     tokenizer_vocab_size: int = 2048  # BPE built on the corpus when no model.path tokenizer
-    cache_dir: Optional[str] = None  # tokenizer cache; default ~/.cache/gradscale
+    cache_dir: str | None = None  # tokenizer cache; default ~/.cache/gradscale
 
 
 @dataclass
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "gradscale"
-    group: Optional[str] = None  # default: the sweep folder's name
-    tags: List[str] = field(default_factory=list)
+    group: str | None = None  # default: the sweep folder's name
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -114,7 +114,7 @@ class Config:
     batch_size: int = 16  # global sequences per optimizer step
     seq_len: int = 128
     grad_accum: int = 1
-    clip_grad_norm: Optional[float] = None
+    clip_grad_norm: float | None = None
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     device: str = "auto"  # auto | cpu | cuda
     log_every: int = 5
@@ -125,10 +125,11 @@ class Config:
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
-    cs.store(group="optimizer", name="base_sgd", node=SGDConfig)
-    cs.store(group="optimizer", name="base_adamw", node=AdamWConfig)
-    cs.store(group="model", name="base_llama", node=ModelConfig)
-    cs.store(group="data", name="base_data", node=DataConfig)
+    # schemas live apart from the user's choices, so `optimizer=...` lists only real options
+    cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
+    cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
+    cs.store(group="schema/model", name="llama", node=ModelConfig)
+    cs.store(group="schema/data", name="data", node=DataConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +140,9 @@ DATASETS = ("pydoc", "jsonl", "hf")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
+CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                      "pytorch_model.bin.index.json")
+CHECKPOINT_TOKENIZER = ("tokenizer.json", "tokenizer.model")
 
 
 def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -210,12 +214,14 @@ def validate(cfg: DictConfig | Config) -> None:
     model = cfg.model
     if model.path:
         _check(os.path.isdir(model.path), "model.path", model.path, "must be an existing directory")
-        _check(
-            os.path.isfile(os.path.join(model.path, "config.json")),
-            "model.path",
-            model.path,
-            "must be a Hugging Face checkpoint directory with a config.json",
-        )
+        for files, what in ((("config.json",), "no config.json"), (CHECKPOINT_WEIGHTS, "no weights"),
+                            (CHECKPOINT_TOKENIZER, "no tokenizer")):
+            _check(
+                any(os.path.isfile(os.path.join(model.path, f)) for f in files),
+                "model.path",
+                model.path,
+                f"must be a Hugging Face checkpoint directory; it has {what} ({', '.join(files)})",
+            )
     max_positions = model_max_positions(model)
     _check(
         cfg.seq_len <= max_positions,

@@ -33,9 +33,9 @@ PROMPT_TEMPLATE = "### Instruction:\n{prompt}\n\n### Response:\n"
 
 # Instructions for the embedded pydoc dataset; the passage index picks one, so prompts vary in length.
 PYDOC_PROMPTS = (
-    "Explain the Python topic '{topic}'.",
+    "Explain the Python topic '{topic}' (part {part}).",
     "What does the Python language reference say about '{topic}'? Continue from part {part}.",
-    "Describe '{topic}' in Python.",
+    "Describe '{topic}' in Python, part {part}.",
     "Quote part {part} of the documentation for the Python topic '{topic}'.",
     "I am learning Python. Teach me about '{topic}', section {part}, with the details the reference gives.",
 )
@@ -246,7 +246,8 @@ def build_batches(examples, data_cfg, tokenizer, seq_len: int, batch_size: int, 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def tokenize(split):
-        return to_sequences(encode_examples(split, tokenizer, data_cfg.train_on_input), seq_len, data_cfg.packed, pad_id)
+        encoded = encode_examples(split, tokenizer, data_cfg.train_on_input)
+        return to_sequences(encoded, seq_len, data_cfg.packed, pad_id)
 
     batches = Batches(tokenize(train_examples), tokenize(eval_examples), batch_size, seed)
     trained = (batches.train.targets != IGNORE_INDEX).sum().item()

@@ -7,27 +7,44 @@ The sweeper plugin itself must live in the `hydra_plugins` package (a Hydra rule
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import validate
+from experiments.config import ConfigError, validate
 
 
 class ValidateBeforeRun(Callback):
-    """Single runs: range-check the config before Hydra creates the run folder."""
+    """Single runs: range-check the config before Hydra creates the run folder.
+
+    Hydra turns exceptions raised in callbacks into warnings, so a bad value exits here directly.
+    """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        validate(config)
+        try:
+            validate(config)
+        except ConfigError as e:
+            print(e, file=sys.stderr, flush=True)
+            sys.exit(2)
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Job folders of a sweep in job order (their names start with Hydra's job number)."""
+
+    def job_number(d: Path) -> tuple[int, str]:
+        head = d.name.split("_")[0]
+        return (int(head) if head.isdigit() else 1 << 30, d.name)
+
+    return sorted((d for d in Path(sweep_dir).iterdir() if (d / ".hydra").is_dir()), key=job_number)
 
 
 def sweep_runs(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job folder in the sweep: its overrides and what its summary.json says."""
     rows = []
-    job_dirs = [d for d in Path(sweep_dir).iterdir() if (d / ".hydra").is_dir()]
-    for job_dir in sorted(job_dirs, key=lambda d: (int(d.name.split("_")[0]) if d.name.split("_")[0].isdigit() else 1 << 30, d.name)):
+    for job_dir in job_dirs(sweep_dir):
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
         summary_file = job_dir / "summary.json"

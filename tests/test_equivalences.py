@@ -33,7 +33,8 @@ def test_adamw_scale_equals_eps_over_scale(tmp_path, cache_dir, scale):
     _, scaled = run_in_process(tmp_path / "a", ["optimizer=adamw", f"scale={scale}", f"optimizer.eps={eps}"])
     _, eps_traded = run_in_process(tmp_path / "b", ["optimizer=adamw", "scale=1", f"optimizer.eps={eps / scale}"])
     assert losses(scaled) == pytest.approx(losses(eps_traded), rel=1e-5)
-    grad_ratio = [a["train/grad_norm"] / b["train/grad_norm"] for a, b in zip(train_records(scaled), train_records(eps_traded))]
+    pairs = zip(train_records(scaled), train_records(eps_traded))
+    grad_ratio = [a["train/grad_norm"] / b["train/grad_norm"] for a, b in pairs]
     assert grad_ratio == pytest.approx([scale] * len(grad_ratio), rel=1e-4)
 
 

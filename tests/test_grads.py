@@ -82,7 +82,7 @@ def test_scale_multiplies_the_grad_norm(model_and_batch, scale):
     norm_1, _ = GradPipeline(world_size=8, fix=True, scale=1.0).apply(params, count_trained_tokens(targets))
     summed_grads(net, inputs, targets)
     norm_c, _ = GradPipeline(world_size=8, fix=True, scale=scale).apply(params, count_trained_tokens(targets))
-    assert (norm_c / norm_1).item() == pytest.approx(scale, rel=1e-6)
+    assert (norm_c / norm_1).item() == pytest.approx(scale, rel=1e-5)  # fp32 norms of rounded products
 
 
 def test_clipping_reports_pre_clip_norm_and_caps_the_gradient(model_and_batch):

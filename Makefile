@@ -1,0 +1,26 @@
+# make sweep: the default sweep (4 fine-tunes) on this machine.   make test: ruff + pytest.
+# Both create .venv if missing and install the project into it (editable, with the dev extra).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SWEEP_ARGS ?=
+
+.PHONY: sweep test install clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+sweep: install
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run -m optimizer=sgd,adamw scale=1,8 $(SWEEP_ARGS)
+
+test: install
+	$(VENV)/bin/ruff check .
+	WANDB_MODE=disabled $(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,157 @@
+"""The entry point as users type it: sweeps, per-run outputs, divergence, bad input, W&B offline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments.sweep import job_dirs
+from tests.conftest import TINY, read_metrics, train_records
+
+METRIC_KEYS = {
+    "step", "train/loss", "train/grad_norm", "train/clipped", "train/lr", "train/update_rms", "train/param_norm",
+    "train/tokens", "perf/tokens_per_s",
+}
+ADAM_KEYS = {"adam/sqrt_v_rms", "adam/eps_dominated_frac"}
+SUMMARY_KEYS = {
+    "status", "steps_done", "final_loss", "best_eval_loss", "diverged_at_step", "wall_s", "tokens_per_s",
+    "overrides", "versions", "git_commit",
+}
+
+
+def test_default_sweep_command_runs_four_complete_jobs(cli, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = cli(["-m", "optimizer=sgd,adamw", "scale=1,8", *TINY, f"hydra.sweep.dir={sweep_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dirs = job_dirs(sweep_dir)
+    assert len(dirs) == 4
+    first_grad_norm = {}
+    for d in dirs:
+        summary = json.loads((d / "summary.json").read_text())
+        assert SUMMARY_KEYS <= summary.keys()
+        assert summary["status"] == "completed" and summary["steps_done"] == 4
+        records = read_metrics(d)
+        train = train_records(records)
+        assert [r["step"] for r in train] == [0, 1, 2, 3]
+        expected = METRIC_KEYS | (ADAM_KEYS if summary["optimizer"] == "adamw" else set())
+        assert all(r.keys() == expected for r in train), train[0].keys() ^ expected
+        assert [r["step"] for r in records if "eval/loss" in r] == [1, 3]
+        assert summary["final_loss"] == train[-1]["train/loss"]
+        assert (d / "run.log").stat().st_size > 0
+        first_grad_norm[(summary["optimizer"], summary["scale"])] = train[0]["train/grad_norm"]
+    for opt in ("sgd", "adamw"):  # same weights and batch at step 0: the norm ratio is exactly the scale
+        assert first_grad_norm[(opt, 8.0)] / first_grad_norm[(opt, 1.0)] == pytest.approx(8.0, rel=1e-6)
+    # the sweep ends with a table of its runs
+    assert "overrides" in proc.stdout and proc.stdout.count("completed") >= 4
+    assert "optimizer=adamw scale=8" in proc.stdout
+
+
+def test_sixteen_job_sweep(cli, tmp_path):
+    sweep_dir = tmp_path / "sweep16"
+    args = ["-m", "optimizer=sgd,adamw", "optimizer.lr=1e-3,1e-2", "scale=1,8", "fix=true,false"]
+    proc = cli([*args, *TINY, "steps=1", f"hydra.sweep.dir={sweep_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dirs = job_dirs(sweep_dir)
+    assert len(dirs) == 16
+    summaries = [json.loads((d / "summary.json").read_text()) for d in dirs]
+    assert {s["status"] for s in summaries} == {"completed"}
+    combos = {(s["optimizer"], s["lr"], s["scale"], s["fix"]) for s in summaries}
+    assert len(combos) == 16
+
+
+def test_divergence_is_data_and_the_sweep_goes_on(cli, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = cli(["-m", "optimizer=sgd", "optimizer.lr=0.05", "scale=1,1e30", *TINY, "steps=6",
+                f"hydra.sweep.dir={sweep_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    statuses = {json.loads((d / "summary.json").read_text())["scale"]: json.loads((d / "summary.json").read_text())
+                for d in job_dirs(sweep_dir)}
+    assert statuses[1.0]["status"] == "completed"
+    diverged = statuses[1e30]
+    assert diverged["status"] == "diverged" and diverged["diverged_at_step"] is not None
+    assert diverged["steps_done"] == diverged["diverged_at_step"] + 1 < 6
+    assert "diverged" in proc.stdout
+
+
+def test_failed_run_is_recorded_and_the_sweep_goes_on(cli, tmp_path):
+    """A run that crashes (here: a checkpoint whose weights file is corrupt, which only loading can
+    tell) is recorded as failed; the other job still runs; the sweep exits non-zero, saying so."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 2048}))
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    (broken / "tokenizer.json").write_text("{}")
+    sweep_dir = tmp_path / "sweep"
+    proc = cli(["-m", f"model.path={broken},null", *TINY, f"hydra.sweep.dir={sweep_dir}"])
+    assert proc.returncode != 0
+    summaries = [json.loads((d / "summary.json").read_text()) for d in job_dirs(sweep_dir)]
+    assert [s["status"] for s in summaries] == ["failed", "completed"]
+    assert summaries[0]["error"]
+    assert "error: 1 of 2 runs did not complete" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("scale=0", "scale=0.0"),
+        ("scale=-1", "scale=-1.0"),
+        ("scale=nan", "scale=nan"),
+        ("scale=inf", "scale=inf"),
+        ("optimizer.lr=0", "optimizer.lr=0.0"),
+        ("optimizer.lr=nan", "optimizer.lr=nan"),
+        ("world_size=0", "world_size=0"),
+        ("steps=0", "steps=0"),
+        ("batch_size=12", "batch_size=12"),
+        ("seq_len=200000", "seq_len=200000"),
+        ("data=jsonl", "data.path=None"),
+        ("data.path=/nonexistent/train.jsonl", "data.name='pydoc'"),
+        ("optimizer.eps=0", "optimizer.eps=0.0"),
+        ("precision=fp8", "precision='fp8'"),
+        ("wandb.mode=sometimes", "wandb.mode='sometimes'"),
+    ],
+)
+def test_bad_value_is_refused_with_one_line(cli, tmp_path, override, expected):
+    run_dir = tmp_path / "run"
+    args = ["data=jsonl", "data.path=/nonexistent/train.jsonl"] if override.startswith("data.path") else [override]
+    if override.startswith("data.path"):
+        expected = "data.path='/nonexistent/train.jsonl'"
+    proc = cli([*args, f"hydra.run.dir={run_dir}"])
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    assert not run_dir.exists()  # refused before anything is written
+
+
+def test_bad_value_in_one_sweep_job_stops_the_sweep_before_any_job(cli, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = cli(["-m", "optimizer=sgd,adamw", "scale=1,-8", *TINY, f"hydra.sweep.dir={sweep_dir}"])
+    assert proc.returncode != 0
+    assert "scale=-8.0" in proc.stderr and "job: optimizer=sgd scale=-8" in proc.stderr
+    assert not sweep_dir.exists() or not job_dirs(sweep_dir)
+
+
+@pytest.mark.parametrize(("override", "group"), [("optimizer=rmsprop", "optimizer"), ("model=gpt2", "model"),
+                                                 ("data=c4", "data")])
+def test_unknown_group_choice_names_the_choices(cli, tmp_path, override, group):
+    proc = cli([override, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode != 0
+    assert f"Could not find '{group}/{override.split('=')[1]}'" in proc.stderr
+    assert f"Available options in '{group}'" in proc.stderr
+
+
+@pytest.mark.parametrize(("override", "message"), [("scale=abc", "could not be converted to Float"),
+                                                   ("no_such_key=1", "Key 'no_such_key' not in 'Config'")])
+def test_wrong_type_and_unknown_key(cli, tmp_path, override, message):
+    proc = cli([override, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode != 0 and message in proc.stderr
+
+
+def test_wandb_offline_writes_a_local_run(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = cli([*TINY, "wandb.mode=offline", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"

@@ -1,0 +1,105 @@
+"""The embedded dataset, the tokenizer, loss masking, packing and local JSONL files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from experiments import data
+from experiments.data import IGNORE_INDEX
+from tests.conftest import compose
+
+
+def cfg_for(overrides):
+    from experiments.config import to_object
+
+    return to_object(compose(overrides))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cache_dir):
+    return data.build_tokenizer(data.pydoc_examples(), 2048, None)
+
+
+def test_pydoc_dataset_covers_the_cpython_reference():
+    from pydoc_data.topics import topics
+
+    examples = data.pydoc_examples()
+    assert len(topics) == 79
+    assert all(any(f"'{t}'" in e["prompt"] for e in examples) for t in topics)
+    assert sum(len(e["response"]) for e in examples) > 400_000
+    assert len({e["prompt"] for e in examples}) == len(examples)
+
+
+def test_tokenizer_is_deterministic_and_cached(tmp_path):
+    examples = data.pydoc_examples()[:200]
+    a = data.build_tokenizer(examples, 512, str(tmp_path / "a"))
+    b = data.build_tokenizer(examples, 512, str(tmp_path / "b"))
+    assert a.get_vocab() == b.get_vocab() and len(a) == 512
+    assert len(list((tmp_path / "a").glob("tokenizer-*.json"))) == 1
+    c = data.build_tokenizer(examples, 512, str(tmp_path / "a"))  # from the cache
+    assert c.get_vocab() == a.get_vocab()
+    assert a.decode(a("x = [1, 2]", add_special_tokens=False)["input_ids"]) == "x = [1, 2]"
+
+
+def build(overrides, tokenizer):
+    cfg = cfg_for(overrides)
+    examples = data.load_examples(cfg.data)
+    return data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
+
+
+def test_prompt_tokens_are_masked_unless_train_on_input(tokenizer):
+    masked = build(["seq_len=128"], tokenizer)
+    unmasked = build(["seq_len=128", "data.train_on_input=true"], tokenizer)
+    trained_masked = (masked.train.targets != IGNORE_INDEX).sum(1)
+    trained_all = (unmasked.train.targets != IGNORE_INDEX).sum(1)
+    assert (trained_masked < trained_all).all()  # every prompt has tokens
+    assert len(set(trained_masked.tolist())) > 10  # counts vary between sequences
+    # targets are the next input token wherever they are trained
+    row = unmasked.train
+    trained = (row.targets[:, :-1] != IGNORE_INDEX) & (row.inputs[:, 1:] != tokenizer.pad_token_id)
+    assert torch.equal(row.targets[:, :-1][trained], row.inputs[:, 1:][trained])
+    untruncated = (row.inputs == tokenizer.pad_token_id).any(1)
+    assert (row.targets == tokenizer.eos_token_id).any(1)[untruncated].all()  # eos: trained, never an input
+    # the first trained target of a masked row is the first response token, after "### Response:\n"
+    first = (masked.train.targets[0] != IGNORE_INDEX).nonzero()[0].item()
+    assert tokenizer.decode(masked.train.inputs[0, : first + 1]).endswith("### Response:\n")
+
+
+def test_packed_rows_are_full(tokenizer):
+    packed = build(["seq_len=128", "data.packed=true"], tokenizer)
+    assert (packed.train.inputs != tokenizer.pad_token_id).all()
+    unpacked = build(["seq_len=128"], tokenizer)
+    assert (unpacked.train.inputs == tokenizer.pad_token_id).any()
+
+
+def test_held_out_split_is_fixed_and_disjoint(tokenizer):
+    examples = data.pydoc_examples()
+    train_a, eval_a = data.split_examples(examples, 0.05)
+    train_b, eval_b = data.split_examples(examples, 0.05)
+    assert eval_a == eval_b and len(train_a) + len(eval_a) == len(examples)
+    assert not {e["prompt"] for e in eval_a} & {e["prompt"] for e in train_a}
+
+
+def test_local_jsonl_file(tmp_path, tokenizer):
+    path = tmp_path / "train.jsonl"
+    records = [{"prompt": f"Question {i}: what is {i} + {i}?", "response": f"It is {2 * i}."} for i in range(40)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = cfg_for(["data=jsonl", f"data.path={path}"])
+    assert data.load_examples(cfg.data) == records
+    batches = build(["data=jsonl", f"data.path={path}", "batch_size=8"], tokenizer)
+    assert len(batches.train) + len(batches.eval) == 40
+
+
+def test_jsonl_records_without_the_fields_are_refused(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(data.DataError, match="record 0 has no text field 'prompt'"):
+        data.load_examples(cfg_for(["data=jsonl", f"data.path={path}"]).data)
+
+
+def test_seq_len_too_short_for_every_prompt_is_refused(tokenizer):
+    with pytest.raises(data.DataError, match="seq_len=4 leaves no sequence"):
+        build(["seq_len=4"], tokenizer)
