@@ -103,3 +103,14 @@ def test_jsonl_records_without_the_fields_are_refused(tmp_path):
 def test_seq_len_too_short_for_every_prompt_is_refused(tokenizer):
     with pytest.raises(data.DataError, match="seq_len=4 leaves no sequence"):
         build(["seq_len=4"], tokenizer)
+
+
+def test_hf_data_loads_through_datasets_from_a_local_dataset_dir(tmp_path, tokenizer):
+    """data=hf goes through datasets.load_dataset(NAME); a local folder of JSON files stands in for the hub."""
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    records = [{"instruction": f"Say {i}.", "output": f"{i}"} for i in range(30)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    overrides = ["data=hf", f"data.hf_name={folder}", "data.prompt_field=instruction", "data.response_field=output"]
+    examples = data.load_examples(cfg_for(overrides).data)
+    assert examples == [{"prompt": r["instruction"], "response": r["output"]} for r in records]

@@ -82,3 +82,11 @@ def test_batch_order_is_a_pure_function_of_seed_and_step(cache_dir):
     per_epoch = len(a.train) // a.batch_size
     seen = torch.cat([a.indices(s) for s in range(per_epoch)])
     assert len(set(seen.tolist())) == len(seen)
+
+
+def test_bf16_autocast_trains_and_differs_from_fp32(tmp_path, cache_dir):
+    _, fp32 = run_in_process(tmp_path / "a", ["precision=fp32"])
+    _, bf16 = run_in_process(tmp_path / "b", ["precision=bf16"])
+    assert losses(bf16)[-1] < losses(bf16)[0]
+    assert losses(bf16) != losses(fp32)  # autocast really changed the arithmetic
+    assert losses(bf16) == pytest.approx(losses(fp32), rel=2e-2)
