@@ -38,7 +38,7 @@ class OptimizerConfig:
 @dataclass
 class SGDConfig(OptimizerConfig):
     name: str = "sgd"
-    lr: float = 0.05
+    lr: float = 0.03
     momentum: float = 0.9
     nesterov: bool = False
 
