@@ -248,6 +248,5 @@ def validate(cfg: DictConfig | Config) -> None:
 
 
 def to_object(cfg: DictConfig) -> Config:
-    """The validated DictConfig as plain dataclass instances (no Hydra node in it)."""
-    plain = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
-    return OmegaConf.to_object(plain)  # type: ignore[return-value]
+    """The validated job config (as the task function gets it: no hydra node) as dataclass instances."""
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]

@@ -90,3 +90,10 @@ def test_bf16_autocast_trains_and_differs_from_fp32(tmp_path, cache_dir):
     assert losses(bf16)[-1] < losses(bf16)[0]
     assert losses(bf16) != losses(fp32)  # autocast really changed the arithmetic
     assert losses(bf16) == pytest.approx(losses(fp32), rel=2e-2)
+
+
+def test_config_check_and_optimizer_table_agree():
+    """config.py lists the names without importing torch; the table in optim.py builds them."""
+    from experiments import config, optim
+
+    assert set(config.OPTIMIZERS) == set(optim.OPTIMIZERS)
