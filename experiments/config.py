@@ -92,6 +92,19 @@ class DataConfig:
 
 
 @dataclass
+class NormalizationConfig:
+    """How summed token losses become the gradient: see experiments/grads.py for the math."""
+
+    name: str = "global_tokens"
+
+
+@dataclass
+class DistConfig:
+    strategy: str = "ddp"  # under torchrun: ddp | fsdp2
+    timeout_s: float = 300.0  # process-group timeout: a dead rank ends the job within this
+
+
+@dataclass
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "gradscale"
@@ -104,6 +117,8 @@ class Config:
     optimizer: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
+    normalization: NormalizationConfig = MISSING
+    dist: DistConfig = field(default_factory=DistConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     scale: float = 1.0  # the grad-scale factor c
@@ -123,6 +138,10 @@ class Config:
 
 
 def register_configs() -> None:
+    # run.log on rank 0 (and when emulated), run.rank1.log ... on the other torchrun ranks
+    OmegaConf.register_new_resolver(
+        "rank_suffix", lambda: "" if os.environ.get("RANK", "0") == "0" else f".rank{os.environ['RANK']}", replace=True
+    )
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     # schemas live apart from the user's choices, so `optimizer=...` lists only real options
@@ -130,6 +149,7 @@ def register_configs() -> None:
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
     cs.store(group="schema/model", name="llama", node=ModelConfig)
     cs.store(group="schema/data", name="data", node=DataConfig)
+    cs.store(group="schema/normalization", name="normalization", node=NormalizationConfig)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,6 +160,8 @@ DATASETS = ("pydoc", "jsonl", "hf")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
+RECIPES = ("global_tokens", "global_tokens_no_world_fix", "local_mean", "per_microbatch_mean")
+STRATEGIES = ("ddp", "fsdp2")
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                       "pytorch_model.bin.index.json")
 CHECKPOINT_TOKENIZER = ("tokenizer.json", "tokenizer.model")
@@ -167,10 +189,30 @@ def model_max_positions(model: Any) -> int:
     return int(model.max_position_embeddings)
 
 
-def validate(cfg: DictConfig | Config) -> None:
-    """Refuse bad input with one line naming the key, the value and what is allowed."""
+def torchrun_world_size() -> int | None:
+    return int(os.environ["WORLD_SIZE"]) if all(k in os.environ for k in ("RANK", "WORLD_SIZE")) else None
+
+
+def resolve_world_size(world_size: int, overrides: list[str]) -> int:
+    """Under torchrun the environment decides; an explicit `world_size=` that disagrees is an error."""
+    env = torchrun_world_size()
+    if env is None:
+        return world_size
+    explicit = any(o.lstrip("+~").split("=")[0] == "world_size" for o in overrides)
+    _check(not explicit or world_size == env, "world_size", world_size,
+           f"must match torchrun's WORLD_SIZE={env} (or be left out)")
+    return env
+
+
+def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> None:
+    """Refuse bad input with one line naming the key, the value and what is allowed.
+
+    overrides: the job's command-line overrides (default: hydra.overrides.task when cfg has it)."""
+    if overrides is None:
+        overrides = list(OmegaConf.select(cfg, "hydra.overrides.task", default=[]) or [])
     _finite_positive("scale", cfg.scale)
     _int_at_least("world_size", cfg.world_size, 1)
+    world_size = resolve_world_size(cfg.world_size, overrides)
     _int_at_least("steps", cfg.steps, 1)
     _int_at_least("batch_size", cfg.batch_size, 1)
     _int_at_least("seq_len", cfg.seq_len, 2)
@@ -183,13 +225,18 @@ def validate(cfg: DictConfig | Config) -> None:
     _check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")
     _check(cfg.device in DEVICES, "device", cfg.device, f"one of {', '.join(DEVICES)}")
     _check(cfg.wandb.mode in WANDB_MODES, "wandb.mode", cfg.wandb.mode, f"one of {', '.join(WANDB_MODES)}")
-    ranks_times_accum = cfg.world_size * cfg.grad_accum
     _check(
-        cfg.batch_size % ranks_times_accum == 0,
+        cfg.batch_size % (world_size * cfg.grad_accum) == 0,
         "batch_size",
         cfg.batch_size,
-        f"must be divisible by world_size * grad_accum = {cfg.world_size} * {cfg.grad_accum}",
+        f"must be divisible by world_size * grad_accum = {world_size} * {cfg.grad_accum}",
     )
+    recipe = cfg.normalization.name
+    _check(recipe in RECIPES, "normalization.name", recipe, f"one of {', '.join(RECIPES)}")
+    _check(cfg.fix or recipe == "global_tokens", "fix", cfg.fix,
+           f"fix=false is the switch for normalization=global_tokens; normalization={recipe} has no fix to turn off")
+    _check(cfg.dist.strategy in STRATEGIES, "dist.strategy", cfg.dist.strategy, f"one of {', '.join(STRATEGIES)}")
+    _finite_positive("dist.timeout_s", cfg.dist.timeout_s)
 
     opt = cfg.optimizer
     _check(opt.name in OPTIMIZERS, "optimizer.name", opt.name, f"one of {', '.join(OPTIMIZERS)}")

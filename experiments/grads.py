@@ -1,7 +1,7 @@
-"""The gradient pipeline between backward() and optimizer.step().
+"""The gradient pipeline between backward() and optimizer.step(), and the normalization recipes.
 
-Every rank r sums token cross-entropy over its trained tokens and calls backward, so its gradient
-is G_r = sum over its tokens of d(loss_token)/d(theta). Then:
+Every rank r sums token cross-entropy over its trained tokens (each sequence weighted by the
+recipe's loss weight, 1 for the global-token recipes) and calls backward. Then:
 
     num_tokens = sum_r T_r                         global count of trained tokens (all-reduce SUM)
     grad       = (1/N) * sum_r G_r                 DDP / FSDP all-reduce with AVERAGE over N ranks
@@ -15,7 +15,14 @@ sees g / N. The effective multiplier is c_eff = scale * (1 if fix else 1/N).
 
 Emulating N ranks in one process costs nothing: the sum of per-rank sums is the sum over the
 global batch, so one backward over the global batch and the factor 1/N give the averaged gradient.
-The three factors are applied as one multiply.
+
+Recipes (`normalization=`), as met in the wild; T_r is rank r's count, T_rk micro-batch k's:
+    global_tokens               weights 1, then * N / num_tokens          correct
+    global_tokens_no_world_fix  weights 1, then * 1 / num_tokens          g / N (the bug)
+    local_mean                  weight 1/T_r on rank r                    correct only if all T_r equal
+    per_microbatch_mean         weight 1/(A * T_rk), A = grad_accum       correct only if all T_rk equal
+A rank or micro-batch with no trained tokens has weight 1/1 on a zero loss: it contributes nothing
+(the count is clamped to 1, as implementations do to avoid 0/0).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments.data import IGNORE_INDEX
+from experiments.parallel import Ranks, local
+
 
 @dataclass(frozen=True)
 class GradPipeline:
@@ -31,27 +41,56 @@ class GradPipeline:
     fix: bool
     scale: float
     clip_grad_norm: float | None = None
+    recipe: str = "global_tokens"
+    grad_accum: int = 1
 
-    def factor(self, num_tokens: int) -> float:
-        """Multiplier from summed per-token gradients (over the global batch) to what the optimizer sees."""
-        rank_average = 1.0 / self.world_size
-        normalization = (self.world_size if self.fix else 1) / num_tokens
+    @property
+    def recipe_in_effect(self) -> str:
+        """`fix=false` is the short switch from global_tokens to global_tokens_no_world_fix."""
+        return "global_tokens_no_world_fix" if self.recipe == "global_tokens" and not self.fix else self.recipe
+
+    def sequence_weights(self, targets: torch.Tensor) -> torch.Tensor:
+        """Loss weight of each sequence of the global batch, applied before backward.
+
+        Rank r owns block r of the batch and its micro-batch k is block k of that (as in Ranks)."""
+        counts = (targets != IGNORE_INDEX).sum(1).double()
+        if self.recipe_in_effect.startswith("global_tokens"):
+            return torch.ones_like(counts, dtype=torch.float32)
+        blocks = self.world_size * (self.grad_accum if self.recipe_in_effect == "per_microbatch_mean" else 1)
+        per_block = torch.stack([c.sum() for c in counts.chunk(blocks)]).clamp_min(1)
+        weights = 1.0 / per_block
+        if self.recipe_in_effect == "per_microbatch_mean":
+            weights = weights / self.grad_accum
+        return weights.repeat_interleave(len(targets) // blocks).float()
+
+    def factor(self, num_tokens: int, ranks_averaged: bool = False) -> float:
+        """Multiplier from the weighted, summed gradients to what the optimizer sees.
+
+        ranks_averaged: a real engine (DDP / FSDP) has already divided by N; emulation has not."""
+        rank_average = 1.0 if ranks_averaged else 1.0 / self.world_size
+        normalization = {
+            "global_tokens": self.world_size / num_tokens,
+            "global_tokens_no_world_fix": 1.0 / num_tokens,
+        }.get(self.recipe_in_effect, 1.0)  # the mean recipes normalized before backward
         return rank_average * normalization * self.scale
 
     @property
     def effective_scale(self) -> float:
-        """c_eff: the gradient the optimizer sees is c_eff times the token-mean gradient."""
-        return self.scale * (1.0 if self.fix else 1.0 / self.world_size)
+        """c_eff: the gradient the optimizer sees is c_eff times the token-mean gradient (global recipes)."""
+        return self.scale * (1.0 / self.world_size if self.recipe_in_effect == "global_tokens_no_world_fix" else 1.0)
 
     @torch.no_grad()
-    def apply(self, params: list[torch.Tensor], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalize, scale and (optionally) clip the summed gradients in place.
+    def apply(
+        self, params: list[torch.Tensor], num_tokens: int, ranks: Ranks | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalize, scale and (optionally) clip the gradients in place.
 
         Returns the pre-clip grad norm and whether clipping acted, as 0-d tensors (no host sync).
         """
+        ranks = ranks or Ranks(world_size=self.world_size)
         grads = [p.grad for p in params if p.grad is not None]
-        torch._foreach_mul_(grads, self.factor(num_tokens))
-        norm = total_norm(grads)
+        torch._foreach_mul_(grads, self.factor(num_tokens, ranks_averaged=ranks.real))
+        norm = total_norm(grads, ranks)
         if self.clip_grad_norm is None:
             return norm, torch.zeros((), dtype=torch.bool, device=norm.device)
         # same rule as torch.nn.utils.clip_grad_norm_, without its host sync
@@ -60,18 +99,28 @@ class GradPipeline:
         return norm, norm > self.clip_grad_norm
 
 
-def total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+def total_norm(tensors: list[torch.Tensor], ranks: Ranks | None = None) -> torch.Tensor:
+    """L2 norm over all tensors; over all shards when FSDP2 shards them."""
     if not tensors:
         return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors)))
+    shards = [local(t) for t in tensors]
+    square_sum = torch.stack(torch._foreach_norm(shards)).square().sum()
+    if ranks is not None:
+        square_sum = ranks.sum_if_sharded(square_sum)
+    return square_sum.sqrt()
 
 
-def count_trained_tokens(targets: torch.Tensor, ignore_index: int = -100) -> int:
-    return int((targets != ignore_index).sum())
+def count_trained_tokens(targets: torch.Tensor) -> int:
+    return int((targets != IGNORE_INDEX).sum())
 
 
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Sum (not mean) of token cross-entropy over trained tokens; fp32 whatever the autocast dtype."""
-    return torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+def sequence_loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums (not means) of token cross-entropy over trained tokens, in fp32."""
+    token_losses = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
+    return token_losses.view(targets.shape).sum(1)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return sequence_loss_sums(logits, targets).sum()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from experiments.parallel import Ranks, local
+
 
 def build_sgd(cfg, params) -> torch.optim.Optimizer:
     return torch.optim.SGD(
@@ -35,7 +37,7 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()
-def adam_state_stats(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def adam_state_stats(optimizer: torch.optim.Optimizer, ranks: Ranks | None = None) -> dict[str, torch.Tensor]:
     """RMS of sqrt(v_hat) over all coordinates, and the share whose sqrt(v_hat) < eps.
 
     v_hat = exp_avg_sq / (1 - beta2^t). Where sqrt(v_hat) < eps, eps dominates Adam's denominator and
@@ -52,14 +54,15 @@ def adam_state_stats(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor
             if not state or "exp_avg_sq" not in state:
                 continue
             bias_correction2 = 1 - beta2 ** float(state["step"])
-            v = state["exp_avg_sq"]
+            v = local(state["exp_avg_sq"])  # FSDP2: this rank's shard; summed over ranks below
             sum_v.append(v.sum() / bias_correction2)
             # sqrt(v / bc2) < eps  <=>  v < eps^2 * bc2  (no sqrt over the whole state)
             below.append((v < eps * eps * bias_correction2).sum())
             count += v.numel()
     if not count:
         return {}
-    return {
-        "adam/sqrt_v_rms": torch.sqrt(torch.stack(sum_v).sum() / count),
-        "adam/eps_dominated_frac": torch.stack(below).sum() / count,
-    }
+    totals = torch.stack([torch.stack(sum_v).sum(), torch.stack(below).sum().to(sum_v[0].dtype),
+                          torch.tensor(float(count), device=sum_v[0].device)])
+    if ranks is not None:
+        totals = ranks.sum_if_sharded(totals)
+    return {"adam/sqrt_v_rms": torch.sqrt(totals[0] / totals[2]), "adam/eps_dominated_frac": totals[1] / totals[2]}

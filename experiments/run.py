@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import platform
+import signal
 import subprocess
 import time
 from importlib import metadata
@@ -32,36 +33,49 @@ class RunFailed(CompactHydraException):
     """The run started but could not finish; its summary.json says failed, run.log has the traceback."""
 
 
-def run(cfg: Config, run_dir: Path, run_log) -> dict[str, Any]:
+class Terminated(BaseException):
+    """SIGTERM (torchrun stops every rank when one fails): not an Exception, so a sweep stops too."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"terminated by signal {signum}")
+
+
+def run(cfg: Config, run_log, overrides: list[str]) -> dict[str, Any]:
     """Build every component from its own config section, train, and return the summary fields."""
     import torch
 
-    from experiments import data, model, optim
+    from experiments import data, model, optim, parallel
+    from experiments.config import resolve_world_size
     from experiments.grads import GradPipeline
     from experiments.train import train
 
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if cfg.device == "auto" else cfg.device)
+    device = parallel.device_for(cfg.device)
+    world_size = resolve_world_size(cfg.world_size, overrides)
+    ranks = parallel.setup(cfg.dist.strategy, world_size, cfg.dist.timeout_s, device)
     examples = data.load_examples(cfg.data)
     if cfg.model.path:
         tokenizer = model.load_tokenizer(cfg.model.path)
     else:
         tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
     batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
-    net = model.build_model(cfg.model, cfg.seed, device)
+    net = parallel.wrap(model.build_model(cfg.model, cfg.seed, device), ranks)
     optimizer = optim.build_optimizer(cfg.optimizer, [p for p in net.parameters() if p.requires_grad])
-    pipeline = GradPipeline(cfg.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm)
+    pipeline = GradPipeline(ranks.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm, cfg.normalization.name,
+                            cfg.grad_accum)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
-    log.info("%s lr=%g scale=%g fix=%s world_size=%d -> effective gradient multiplier c_eff=%g on %s",
-             cfg.optimizer.name, cfg.optimizer.lr, cfg.scale, cfg.fix, cfg.world_size,
-             pipeline.effective_scale, device)
+    log.info("%s lr=%g scale=%g normalization=%s world_size=%d (%s) -> c_eff=%g on %s",
+             cfg.optimizer.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe_in_effect, ranks.world_size,
+             f"{cfg.dist.strategy} ranks" if ranks.real else "emulated", pipeline.effective_scale, device)
     result = train(
-        net, optimizer, batches, pipeline, run_log,
+        net, optimizer, batches, pipeline, run_log, ranks,
         steps=cfg.steps, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
         eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, autocast=autocast, device=device,
     )
-    return {**vars(result), "effective_scale": pipeline.effective_scale, "device": str(device)}
+    return {**vars(result), "effective_scale": pipeline.effective_scale, "device": str(device),
+            "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
+            "normalization": pipeline.recipe_in_effect}
 
 
 def versions() -> dict[str, str]:
@@ -87,7 +101,14 @@ def git_commit() -> str | None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> str:
     from experiments.metrics import RunLog, write_json_atomic
+    from experiments.parallel import env_rank
 
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    is_main = env_rank() == 0  # under torchrun only rank 0 writes metrics, summary and W&B
+    if not is_main:
+        for handler in logging.getLogger().handlers:  # console: rank 0 speaks for all; files keep all
+            if not isinstance(handler, logging.FileHandler):
+                handler.setLevel(logging.WARNING)
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
@@ -102,12 +123,16 @@ def main(cfg: DictConfig) -> str:
     started = time.perf_counter()
     run_log = None
     try:
-        run_log = RunLog(
-            run_dir, run_cfg.wandb, name=hydra_cfg.job.override_dirname or "default", group=group,
-            tags=[run_cfg.optimizer.name, f"scale={run_cfg.scale:g}", f"fix={run_cfg.fix}", *run_cfg.wandb.tags],
-            config=OmegaConf.to_container(cfg, resolve=True),
-        )
-        summary.update(run(run_cfg, run_dir, run_log))
+        if is_main:
+            run_log = RunLog(
+                run_dir, run_cfg.wandb, name=hydra_cfg.job.override_dirname or "default", group=group,
+                tags=[run_cfg.optimizer.name, f"scale={run_cfg.scale:g}", f"fix={run_cfg.fix}", *run_cfg.wandb.tags],
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        summary.update(run(run_cfg, run_log, overrides))
+    except Terminated as e:
+        summary["error"] = str(e)
+        raise
     except Exception as e:
         log.exception("run failed")
         summary["error"] = f"{type(e).__name__}: {e}"
@@ -117,7 +142,7 @@ def main(cfg: DictConfig) -> str:
         summary["wall_s"] = time.perf_counter() - started
         if run_log is not None:
             run_log.finish(summary)
-        else:
+        elif is_main:
             write_json_atomic(run_dir / "summary.json", summary)
         log.info("%s: %s (%.1f s) -> %s", summary["status"], summary.get("final_loss"), summary["wall_s"], run_dir)
     return summary["status"]

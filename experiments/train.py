@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from experiments.data import Batches
-from experiments.grads import GradPipeline, count_trained_tokens, token_loss_sum, total_norm
+from experiments.grads import GradPipeline, count_trained_tokens, sequence_loss_sums, token_loss_sum, total_norm
 from experiments.metrics import RunLog
 from experiments.optim import adam_state_stats
+from experiments.parallel import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ def train(
     optimizer: torch.optim.Optimizer,
     batches: Batches,
     pipeline: GradPipeline,
-    run_log: RunLog,
+    run_log: RunLog | None,
+    ranks: Ranks,
     *,
     steps: int,
     grad_accum: int,
@@ -45,19 +47,13 @@ def train(
 ) -> TrainResult:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    n_coords = sum(p.numel() for p in params)
+    n_coords = sum(p.numel() for p in params)  # FSDP2: numel of a DTensor is the full size
     final_loss, best_eval, window_start, window_tokens = None, None, time.perf_counter(), 0
     for step in range(steps):
         inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
-        num_tokens = count_trained_tokens(targets)  # counted on the host, before the copy: no sync
-        loss_sum = torch.zeros((), device=device)
-        for micro_inputs, micro_targets in zip(inputs.chunk(grad_accum), targets.chunk(grad_accum)):
-            with autocast:
-                logits = model(input_ids=micro_inputs.to(device)).logits
-            micro_loss = token_loss_sum(logits, micro_targets.to(device))
-            micro_loss.backward()  # grads accumulate: summed over tokens, micro-batches, ranks
-            loss_sum += micro_loss.detach()
-        grad_norm, clipped = pipeline.apply(params, num_tokens)
+        loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, grad_accum, autocast,
+                                                    device)
+        grad_norm, clipped = pipeline.apply(params, num_tokens, ranks)
 
         logging_step = step % log_every == 0 or step == steps - 1
         if logging_step:  # a copy of the weights, only on logged steps, to measure the update
@@ -69,19 +65,19 @@ def train(
         if logging_step:
             update = torch._foreach_sub([p.detach() for p in params], before)
             stats = {
-                "train/loss": loss_sum / num_tokens,  # global token mean: independent of fix and scale
+                "train/loss": ranks.sum(loss_sum) / num_tokens,  # global token mean: independent of fix, scale
                 "train/grad_norm": grad_norm,
                 "train/clipped": clipped,
-                "train/update_rms": total_norm(update) / math.sqrt(n_coords),
-                "train/param_norm": total_norm(params),
-                **adam_state_stats(optimizer),
+                "train/update_rms": total_norm(update, ranks) / math.sqrt(n_coords),
+                "train/param_norm": total_norm(params, ranks),
+                **adam_state_stats(optimizer, ranks),
             }
             record = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one sync
             record["train/clipped"] = bool(record["train/clipped"])
             elapsed, window_start = time.perf_counter() - window_start, time.perf_counter()
             tokens_per_s = window_tokens / elapsed
             window_tokens = 0
-            run_log.log(
+            log_record(run_log,
                 {"step": step, **record, "train/lr": optimizer.param_groups[0]["lr"],
                  "train/tokens": num_tokens, "perf/tokens_per_s": tokens_per_s}
             )
@@ -97,9 +93,35 @@ def train(
         if (step + 1) % eval_every == 0 or step == steps - 1:
             eval_loss = evaluate(model, batches, eval_batches, autocast, device)
             best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
-            run_log.log({"step": step, "eval/loss": eval_loss})
+            log_record(run_log, {"step": step, "eval/loss": eval_loss})
             log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
     return TrainResult("completed", steps, final_loss, best_eval, None, tokens_per_s)
+
+
+def accumulate_gradients(model, inputs, targets, pipeline: GradPipeline, ranks: Ranks, grad_accum: int,
+                         autocast, device) -> tuple[torch.Tensor, int]:
+    """Forward/backward of this rank's share of the global batch, micro-batch by micro-batch.
+
+    Returns this rank's summed token loss (unweighted, for logging) and the global trained-token count.
+    """
+    weights = pipeline.sequence_weights(targets)  # needs the global batch: per-rank counts
+    inputs, targets, weights = ranks.local_block(inputs, targets, weights)
+    # counted on the host before the copy (no device sync); all-reduced as real recipes do
+    num_tokens = int(ranks.sum(torch.tensor(count_trained_tokens(targets))))
+    loss_sum = torch.zeros((), device=device)
+    for micro in zip(inputs.chunk(grad_accum), targets.chunk(grad_accum), weights.chunk(grad_accum)):
+        micro_inputs, micro_targets, micro_weights = (t.to(device) for t in micro)
+        with autocast:
+            logits = model(input_ids=micro_inputs).logits
+        sequence_losses = sequence_loss_sums(logits, micro_targets)
+        (sequence_losses * micro_weights).sum().backward()  # grads accumulate over micro-batches
+        loss_sum += sequence_losses.detach().sum()
+    return loss_sum, num_tokens
+
+
+def log_record(run_log: RunLog | None, record: dict) -> None:
+    if run_log is not None:  # only rank 0 has one
+        run_log.log(record)
 
 
 @torch.no_grad()

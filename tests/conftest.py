@@ -61,7 +61,7 @@ def run_in_process(run_dir: Path, overrides: list[str]) -> tuple[dict, list[dict
     run_cfg = to_object(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_log = RunLog(run_dir, run_cfg.wandb, name="test", group=None, tags=[], config={})
-    result = run(run_cfg, run_dir, run_log)
+    result = run(run_cfg, run_log, overrides)
     run_log.finish(result)
     return result, read_metrics(run_dir)
 

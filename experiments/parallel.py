@@ -1,0 +1,108 @@
+"""Ranks: one process emulating `world_size` ranks, or one of `world_size` real ranks under torchrun.
+
+Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK in the environment) the process group uses gloo on
+CPU and NCCL on CUDA, and the model is wrapped by a real engine that averages gradients over ranks:
+DistributedDataParallel (`dist.strategy=ddp`) or FSDP2 (`dist.strategy=fsdp2`: `fully_shard` per
+decoder layer and on the root). Each rank takes its block of the same global batch the emulated run
+uses: rank r gets sequences [r*B/N, (r+1)*B/N).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+@dataclass(frozen=True)
+class Ranks:
+    world_size: int
+    rank: int = 0
+    real: bool = False  # False: ranks emulated in this one process
+    strategy: str = "ddp"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Parameters, gradients and optimizer state are shards: norms need a sum over ranks."""
+        return self.real and self.strategy == "fsdp2"
+
+    def local_block(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's block of each global-batch tensor (all of it when emulated)."""
+        if not self.real:
+            return tensors
+        return tuple(t.chunk(self.world_size)[self.rank] for t in tensors)
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """All-reduce SUM (identity when emulated)."""
+        if self.real:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def sum_if_sharded(self, value: torch.Tensor) -> torch.Tensor:
+        return self.sum(value) if self.sharded else value
+
+
+def setup(strategy: str, world_size: int, timeout_s: float, device: torch.device) -> Ranks:
+    """Join the torchrun process group if there is one; `world_size` is then already the env's."""
+    if not under_torchrun():
+        return Ranks(world_size=world_size)
+    if not dist.is_initialized():  # a sweep under torchrun runs many jobs in the same processes
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        atexit.register(finish)
+    ranks = Ranks(world_size=dist.get_world_size(), rank=dist.get_rank(), real=True, strategy=strategy)
+    log.info("rank %d of %d (%s, %s)", ranks.rank, ranks.world_size, strategy, dist.get_backend())
+    return ranks
+
+
+def device_for(device_cfg: str) -> torch.device:
+    if device_cfg == "cpu" or (device_cfg == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device("cuda", local_rank)
+
+
+def wrap(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
+    """The engine that averages gradients over ranks; the model itself when emulated."""
+    if not ranks.real:
+        return model
+    if ranks.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [model.device.index] if model.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 DTensor (the tensor itself otherwise)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
