@@ -68,6 +68,7 @@ class GradPipeline:
 
         ranks_averaged: a real engine (DDP / FSDP) has already divided by N; emulation has not."""
         rank_average = 1.0 if ranks_averaged else 1.0 / self.world_size
+        num_tokens = max(num_tokens, 1)  # a batch with nothing to train on has zero gradients anyway
         normalization = {
             "global_tokens": self.world_size / num_tokens,
             "global_tokens_no_world_fix": 1.0 / num_tokens,
@@ -112,6 +113,11 @@ def total_norm(tensors: list[torch.Tensor], ranks: Ranks | None = None) -> torch
 
 def count_trained_tokens(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum())
+
+
+def global_token_count(local_targets: torch.Tensor, ranks: Ranks) -> int:
+    """Trained tokens over all ranks: counted on the host (no device sync), then all-reduced SUM."""
+    return int(ranks.sum(torch.tensor(count_trained_tokens(local_targets))))
 
 
 def sequence_loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from experiments.data import Batches
-from experiments.grads import GradPipeline, count_trained_tokens, sequence_loss_sums, token_loss_sum, total_norm
+from experiments.grads import (
+    GradPipeline,
+    count_trained_tokens,
+    global_token_count,
+    sequence_loss_sums,
+    token_loss_sum,
+    total_norm,
+)
 from experiments.metrics import RunLog
 from experiments.optim import adam_state_stats
 from experiments.parallel import Ranks
@@ -106,8 +113,7 @@ def accumulate_gradients(model, inputs, targets, pipeline: GradPipeline, ranks: 
     """
     weights = pipeline.sequence_weights(targets)  # needs the global batch: per-rank counts
     inputs, targets, weights = ranks.local_block(inputs, targets, weights)
-    # counted on the host before the copy (no device sync); all-reduced as real recipes do
-    num_tokens = int(ranks.sum(torch.tensor(count_trained_tokens(targets))))
+    num_tokens = global_token_count(targets, ranks)
     loss_sum = torch.zeros((), device=device)
     for micro in zip(inputs.chunk(grad_accum), targets.chunk(grad_accum), weights.chunk(grad_accum)):
         micro_inputs, micro_targets, micro_weights = (t.to(device) for t in micro)

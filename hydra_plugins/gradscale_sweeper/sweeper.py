@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,8 @@ class GradscaleSweeper(BasicSweeper):
         except Exception:  # a failed job: the basic launcher ran every job of the batch first
             returns = None
         rows = sweep_runs(sweep_dir)
-        print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}", flush=True)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
+            print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}", flush=True)
         failed = [r for r in rows if r["status"] not in ("completed", "diverged")]
         if returns is None or failed:
             raise SweepFailed(f"error: {len(failed)} of {len(rows)} runs did not complete; see {sweep_dir}/*/run.log")

@@ -1,0 +1,132 @@
+"""Real ranks (gloo, 2 processes): torchrun DDP and FSDP2 against emulation, the parity oracle, the
+mutation self-test that proves the oracle can fail, and a dead rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.sweep import job_dirs
+from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics, train_records
+
+
+def torchrun(args: list[str], cache_dir: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def runs_by_config(sweep_dir: Path) -> dict[tuple, list[dict]]:
+    out = {}
+    for d in job_dirs(sweep_dir):
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["status"] == "completed", summary
+        out[(summary["ranks"], summary["optimizer"], summary["fix"])] = train_records(read_metrics(d))
+    return out
+
+
+def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
+    steps = ["steps=5", "world_size=2"]
+    real = torchrun(["-m", "experiments.run", "-m", "optimizer=sgd,adamw", "dist.strategy=ddp,fsdp2",
+                     "fix=true,false", *TINY, *steps, f"hydra.sweep.dir={tmp_path / 'real'}"], cache_dir)
+    assert real.returncode == 0, real.stderr[-4000:]
+    emulated = cli(["-m", "optimizer=sgd,adamw", "fix=true,false", *TINY, *steps,
+                    f"hydra.sweep.dir={tmp_path / 'emulated'}"])
+    assert emulated.returncode == 0, emulated.stderr[-4000:]
+    runs = {**runs_by_config(tmp_path / "real"), **runs_by_config(tmp_path / "emulated")}
+    assert len(runs) == 12
+    for optimizer in ("sgd", "adamw"):
+        for fix in (True, False):
+            reference = [r["train/loss"] for r in runs[("emulated", optimizer, fix)]]
+            for strategy in ("ddp", "fsdp2"):
+                curve = [r["train/loss"] for r in runs[(strategy, optimizer, fix)]]
+                assert curve == pytest.approx(reference, rel=1e-5), (strategy, optimizer, fix)
+        for ranks in ("emulated", "ddp", "fsdp2"):  # the logged grad-norm ratio at step 0 is exactly N
+            ratio = runs[(ranks, optimizer, True)][0]["train/grad_norm"] / runs[(ranks, optimizer, False)][0][
+                "train/grad_norm"]
+            assert ratio == pytest.approx(2.0, rel=1e-5), ranks
+    # only rank 0 writes the run's files; rank 1 keeps its own log
+    first = job_dirs(tmp_path / "real")[0]
+    assert (first / "run.rank1.log").exists() and not list(first.glob("*rank1*.json*"))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_parity_oracle(strategy):
+    from experiments.parity import format_table, run_parity
+
+    rows = run_parity(world_size=2, strategy=strategy, grad_accum=2)
+    assert all(r.ok for r in rows), format_table(rows)
+    by = {(r.case, r.recipe): r for r in rows}
+    assert by[("ragged", "global_tokens")].rel_err < 1e-5
+    assert by[("ragged", "global_tokens_no_world_fix")].norm_ratio == pytest.approx(0.5, rel=1e-6)
+    assert by[("ragged", "local_mean")].cosine < 0.99
+    assert by[("equal", "per_microbatch_mean")].rel_err < 1e-5
+    assert by[("zero_rank", "global_tokens")].rel_err < 1e-5
+
+
+# Known bugs, injected into every rank before it computes (module-level functions: picklable for spawn).
+def inject_dropped_world_factor():
+    from experiments.grads import GradPipeline
+
+    def factor(self, num_tokens, ranks_averaged=False):
+        return (1.0 if ranks_averaged else 1.0 / self.world_size) / max(num_tokens, 1) * self.scale
+
+    GradPipeline.factor = factor
+
+
+def inject_local_token_count():
+    from experiments import train
+    from experiments.grads import count_trained_tokens
+
+    train.global_token_count = lambda local_targets, ranks: count_trained_tokens(local_targets)
+
+
+@pytest.mark.parametrize("bug", [inject_dropped_world_factor, inject_local_token_count])
+def test_mutation_self_test_the_oracle_flags_each_known_bug(bug):
+    from experiments.parity import run_parity
+
+    rows = run_parity(world_size=2, strategy="ddp", grad_accum=2, child_setup=bug)
+    flagged = [r for r in rows if r.recipe == "global_tokens" and not r.ok]
+    assert flagged, "the oracle did not notice the injected bug"
+    assert {r.case for r in flagged} == {"equal", "ragged", "zero_rank"}
+
+
+def test_parity_cli_prints_the_table():
+    env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "experiments.parity", "--grad-accum", "1"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(" ok") == 12 and "global_tokens_no_world_fix" in proc.stdout
+
+
+def test_a_dead_rank_ends_the_job_quickly_and_nothing_claims_completion(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    proc = torchrun([str(ROOT / "tests" / "helpers" / "failing_rank.py"), *TINY, "steps=50", "world_size=2",
+                     "dist.timeout_s=20", f"hydra.run.dir={run_dir}"], cache_dir, timeout=300)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert elapsed < 90, f"took {elapsed:.0f} s"
+    assert "injected failure on rank 1 at step 2" in proc.stderr
+    summary_file = run_dir / "summary.json"
+    if summary_file.exists():
+        assert json.loads(summary_file.read_text())["status"] == "failed"
+
+
+def test_explicit_world_size_that_disagrees_with_torchrun_is_refused(monkeypatch):
+    from experiments.config import ConfigError, validate
+    from tests.conftest import compose
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"world_size=4 .*WORLD_SIZE=2"):
+        validate(compose(["world_size=4", "batch_size=8"]), overrides=["world_size=4"])
+    validate(compose(["batch_size=8"]), overrides=[])  # left out: torchrun's 2 is used
