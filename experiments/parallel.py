@@ -20,6 +20,15 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+def adopt_slurm_tasks() -> None:
+    """Under the SLURM launcher (submitit, one task per GPU), export the variables torchrun would set."""
+    if under_torchrun() or int(os.environ.get("SLURM_NTASKS", "1")) < 2 or "SUBMITIT_FOLDER" not in os.environ:
+        return
+    import submitit
+
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # LOCAL_RANK picks the GPU
+
+
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 

@@ -98,11 +98,12 @@ def git_commit() -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(PROJECT_ROOT / "conf"), config_name="config")
 def main(cfg: DictConfig) -> str:
     from experiments.metrics import RunLog, write_json_atomic
-    from experiments.parallel import env_rank
+    from experiments.parallel import adopt_slurm_tasks, env_rank
 
+    adopt_slurm_tasks()
     signal.signal(signal.SIGTERM, _raise_terminated)
     is_main = env_rank() == 0  # under torchrun only rank 0 writes metrics, summary and W&B
     if not is_main:

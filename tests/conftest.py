@@ -38,8 +38,9 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
-def compose(overrides: list[str]):
-    """The composed DictConfig for these overrides, exactly as the CLI would build it (no hydra node)."""
+def compose(overrides: list[str], with_hydra: bool = False):
+    """The composed DictConfig for these overrides, exactly as the CLI would build it (the hydra node,
+    launcher and sweeper included, only when asked)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -47,7 +48,7 @@ def compose(overrides: list[str]):
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
 
 
 def run_in_process(run_dir: Path, overrides: list[str]) -> tuple[dict, list[dict]]:

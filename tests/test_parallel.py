@@ -130,3 +130,22 @@ def test_explicit_world_size_that_disagrees_with_torchrun_is_refused(monkeypatch
     with pytest.raises(ConfigError, match=r"world_size=4 .*WORLD_SIZE=2"):
         validate(compose(["world_size=4", "batch_size=8"]), overrides=["world_size=4"])
     validate(compose(["batch_size=8"]), overrides=[])  # left out: torchrun's 2 is used
+
+
+@pytest.mark.parametrize("launcher", ["submitit_local", "local_parallel"])
+def test_scale_out_launchers_run_a_two_job_sweep(cli, tmp_path, launcher):
+    """submitit's local executor stands in for SLURM (same launcher plugin); local_parallel is joblib."""
+    sweep_dir = tmp_path / "sweep"
+    proc = cli(["-m", f"hydra/launcher={launcher}", "scale=1,8", *TINY, f"hydra.sweep.dir={sweep_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads((d / "summary.json").read_text()) for d in job_dirs(sweep_dir)]
+    assert [(s["scale"], s["status"]) for s in summaries] == [(1.0, "completed"), (8.0, "completed")]
+
+
+def test_slurm_launcher_config_composes():
+    from tests.conftest import compose
+
+    cfg = compose(["hydra/launcher=slurm"], with_hydra=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.tasks_per_node == launcher.gpus_per_node == 8
