@@ -15,8 +15,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+SWEEP_DIR ?= multirun/$(shell date +%Y-%m-%d/%H-%M-%S)
+
 sweep: install
-	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run -m optimizer=sgd,adamw scale=1,8 $(SWEEP_ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run -m optimizer=sgd,adamw scale=1,8 \
+		hydra.sweep.dir=$(SWEEP_DIR) $(SWEEP_ARGS)
+	$(PY) -m analysis.report $(SWEEP_DIR)
 
 test: install
 	$(VENV)/bin/ruff check .

@@ -135,6 +135,7 @@ class Config:
     log_every: int = 5
     eval_every: int = 50
     eval_batches: int = 4
+    adam_stats_every: int | None = 50  # per-tensor sqrt(v_hat) quantiles -> adam_stats.jsonl; null: off
 
 
 def register_configs() -> None:
@@ -220,6 +221,8 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     _int_at_least("log_every", cfg.log_every, 1)
     _int_at_least("eval_every", cfg.eval_every, 1)
     _int_at_least("eval_batches", cfg.eval_batches, 1)
+    if cfg.adam_stats_every is not None:
+        _int_at_least("adam_stats_every", cfg.adam_stats_every, 1)
     if cfg.clip_grad_norm is not None:
         _finite_positive("clip_grad_norm", cfg.clip_grad_norm)
     _check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")

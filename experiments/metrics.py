@@ -37,6 +37,7 @@ class RunLog:
         self.run_dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self._metrics = open(self.metrics_path, "a", buffering=1)  # line-buffered: one flush per record
+        self._adam_stats = None  # adam_stats.jsonl, opened on first use
         self._wandb = None
         if wandb_cfg.mode != "disabled":
             self._wandb = self._start_wandb(wandb_cfg, name=name, group=group, tags=tags, config=config)
@@ -71,9 +72,17 @@ class RunLog:
                 log.warning("W&B log failed (%s: %s); W&B is off for the rest of this run", type(e).__name__, e)
                 self._wandb = None
 
+    def log_adam_stats(self, records: list[dict[str, Any]]) -> None:
+        """Per-tensor sqrt(v_hat) quantiles (adam_stats_every), next to metrics.jsonl."""
+        if self._adam_stats is None:
+            self._adam_stats = open(self.run_dir / "adam_stats.jsonl", "a", buffering=1)
+        self._adam_stats.write("".join(json.dumps(r) + "\n" for r in records))
+
     def finish(self, summary: dict[str, Any]) -> None:
         """summary.json is written once, at the end, atomically; W&B's finish() always runs."""
         self._metrics.close()
+        if self._adam_stats is not None:
+            self._adam_stats.close()
         write_json_atomic(self.run_dir / "summary.json", summary)
         if self._wandb is not None:
             try:

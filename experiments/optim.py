@@ -36,6 +36,30 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
     return OPTIMIZERS[cfg.name](cfg, params)
 
 
+QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
+MAX_QUANTILE_SAMPLE = 1 << 20  # torch.quantile's input limit is 2^24; a strided sample is plenty
+
+
+@torch.no_grad()
+def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str], step: int) -> list[dict]:
+    """Per-tensor quantiles of sqrt(v_hat): the measured s in the theory's c* = eps / s (analysis.theory)."""
+    records = []
+    for group in optimizer.param_groups:
+        if "betas" not in group:
+            continue
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state or "exp_avg_sq" not in state:
+                continue
+            v = local(state["exp_avg_sq"]).flatten()
+            v = v[:: max(1, v.numel() // MAX_QUANTILE_SAMPLE)].float()
+            sqrt_v = (v / (1 - group["betas"][1] ** float(state["step"]))).sqrt()
+            q = torch.quantile(sqrt_v, torch.tensor(QUANTILES, device=sqrt_v.device)).tolist()
+            records.append({"step": step, "tensor": names.get(p, "?"), "numel": p.numel(), "eps": group["eps"],
+                            **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)}})
+    return records
+
+
 @torch.no_grad()
 def adam_state_stats(optimizer: torch.optim.Optimizer, ranks: Ranks | None = None) -> dict[str, torch.Tensor]:
     """RMS of sqrt(v_hat) over all coordinates, and the share whose sqrt(v_hat) < eps.

@@ -71,7 +71,8 @@ def run(cfg: Config, run_log, overrides: list[str]) -> dict[str, Any]:
     result = train(
         net, optimizer, batches, pipeline, run_log, ranks,
         steps=cfg.steps, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
-        eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, autocast=autocast, device=device,
+        eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, adam_stats_every=cfg.adam_stats_every,
+        autocast=autocast, device=device,
     )
     return {**vars(result), "effective_scale": pipeline.effective_scale, "device": str(device),
             "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",

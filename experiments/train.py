@@ -20,7 +20,7 @@ from experiments.grads import (
     total_norm,
 )
 from experiments.metrics import RunLog
-from experiments.optim import adam_state_stats
+from experiments.optim import adam_state_stats, sqrt_v_quantiles
 from experiments.parallel import Ranks
 
 log = logging.getLogger(__name__)
@@ -49,12 +49,14 @@ def train(
     log_every: int,
     eval_every: int,
     eval_batches: int,
+    adam_stats_every: int | None,
     autocast: contextlib.AbstractContextManager,
     device: torch.device,
 ) -> TrainResult:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     n_coords = sum(p.numel() for p in params)  # FSDP2: numel of a DTensor is the full size
+    names = {p: n for n, p in model.named_parameters()}
     final_loss, best_eval, window_start, window_tokens = None, None, time.perf_counter(), 0
     for step in range(steps):
         inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
@@ -96,6 +98,9 @@ def train(
             if not (math.isfinite(record["train/loss"]) and math.isfinite(record["train/grad_norm"])):
                 log.warning("non-finite loss or grad norm at step %d: run diverged", step)
                 return TrainResult("diverged", step + 1, final_loss, best_eval, step, tokens_per_s)
+
+        if adam_stats_every and run_log is not None and (step % adam_stats_every == 0 or step == steps - 1):
+            run_log.log_adam_stats(sqrt_v_quantiles(optimizer, names, step))  # rank 0's shards under FSDP2
 
         if (step + 1) % eval_every == 0 or step == steps - 1:
             eval_loss = evaluate(model, batches, eval_batches, autocast, device)

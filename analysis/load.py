@@ -1,0 +1,130 @@
+"""Sweep folders (or single run folders) -> pandas tables. Reads only the files runs write.
+
+runs table: one row per run, its config flattened into columns, and what summary.json says
+curves table: long form (run, step, metric, value), from metrics.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pandas as pd
+from omegaconf import OmegaConf
+
+from analysis.theory import effective_multiplier
+
+log = logging.getLogger(__name__)
+
+RUN_COLUMNS = ("run", "optimizer", "lr", "eps", "scale", "fix", "world_size", "clip", "precision", "normalization",
+               "seed", "steps", "status", "final_loss", "best_eval_loss", "diverged_at_step", "steps_done", "path")
+
+
+def run_dirs(paths: list[str | Path]) -> list[Path]:
+    """Every run folder (one with .hydra/config.yaml) at or below the given paths, in job order."""
+    found = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"error: {path} does not exist")
+        candidates = [path] if (path / ".hydra" / "config.yaml").exists() else sorted(
+            (c.parent.parent for c in path.rglob(".hydra/config.yaml")), key=_job_order)
+        found.extend(candidates)
+    if not found:
+        raise FileNotFoundError(f"error: no run folders (with .hydra/config.yaml) under {', '.join(map(str, paths))}")
+    return found
+
+
+def _job_order(d: Path) -> tuple:
+    head = d.name.split("_")[0]
+    return (str(d.parent), int(head) if head.isdigit() else 1 << 30, d.name)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Records of a JSONL file; a torn last line (a run killed mid-write) is skipped."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+            log.warning("%s: skipped a torn last line", path)
+    return records
+
+
+def _run_row(run_dir: Path, name: str) -> dict:
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {"status": "interrupted"}
+    opt = cfg.optimizer
+    return {
+        "run": name,
+        "optimizer": opt.name,
+        "lr": float(opt.lr),
+        "eps": float(opt.eps) if "eps" in opt else float("nan"),
+        "scale": float(cfg.scale),
+        "fix": bool(cfg.fix),
+        "world_size": int(summary.get("world_size", cfg.world_size)),
+        "clip": cfg.clip_grad_norm,
+        "precision": cfg.precision,
+        "normalization": summary.get("normalization", OmegaConf.select(cfg, "normalization.name",
+                                                                        default="global_tokens")),
+        "seed": int(cfg.seed),
+        "steps": int(cfg.steps),
+        "status": summary["status"],
+        "final_loss": summary.get("final_loss"),
+        "best_eval_loss": summary.get("best_eval_loss"),
+        "diverged_at_step": summary.get("diverged_at_step"),
+        "steps_done": summary.get("steps_done"),
+        "path": str(run_dir),
+    }
+
+
+def load(paths: list[str | Path] | str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(runs, curves) for the sweeps or runs at `paths`."""
+    dirs = run_dirs([paths] if isinstance(paths, (str, Path)) else list(paths))
+    multiple_parents = len({d.parent for d in dirs}) > 1
+    rows, curves = [], []
+    for d in dirs:
+        name = f"{d.parent.name}/{d.name}" if multiple_parents else d.name
+        rows.append(_run_row(d, name))
+        for record in read_jsonl(d / "metrics.jsonl"):
+            step = record.get("step")
+            for metric, value in record.items():
+                if metric != "step":
+                    curves.append((name, step, metric, float(value)))  # "nan"/"inf" strings parse too
+    runs = pd.DataFrame(rows, columns=list(RUN_COLUMNS))
+    # the world-size factor is missing when fix is off or the recipe is the pre-fix one
+    runs["c_eff"] = [
+        effective_multiplier(r.scale, r.fix and r.normalization != "global_tokens_no_world_fix", r.world_size)
+        for r in runs.itertuples()
+    ]
+    return runs, pd.DataFrame(curves, columns=["run", "step", "metric", "value"])
+
+
+def curve(curves: pd.DataFrame, run: str, metric: str) -> pd.Series:
+    """One run's metric as a Series indexed by step."""
+    rows = curves[(curves.run == run) & (curves.metric == metric)]
+    return pd.Series(rows.value.to_numpy(), index=rows.step.to_numpy(), name=run)
+
+
+# Columns that make two runs "the same experiment" apart from the studied factor.
+PAIRING_KEYS = ("optimizer", "lr", "eps", "world_size", "clip", "precision", "normalization", "seed", "steps")
+
+
+def pair_references(runs: pd.DataFrame) -> pd.Series:
+    """For each run, the run identical in everything but scale and fix, at scale 1 with the fix on
+    (None where the sweep has no such run). Indexed like `runs`, values are run names."""
+    keys = list(PAIRING_KEYS)
+    references = runs[(runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens")]
+    lookup = {tuple(_key(r[k]) for k in keys): r["run"] for _, r in references.iterrows()}
+    found = [lookup.get(tuple(_key(r[k]) for k in keys)) for _, r in runs.iterrows()]
+    return pd.Series(found, index=runs.index, dtype=object)  # object: None stays None
+
+
+def _key(value):
+    return "nan" if isinstance(value, float) and value != value else value  # NaN eps (SGD) pairs with itself

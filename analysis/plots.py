@@ -1,0 +1,154 @@
+"""Pure plotting functions: tables from analysis.load in, a matplotlib Figure out."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: figures are written to files
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis.load import curve, pair_references  # noqa: E402
+
+
+def _label(r) -> str:
+    return f"scale={r.scale:g} fix={'on' if r.fix else 'off'} (c_eff={r.c_eff:g})"
+
+
+def _per_optimizer(runs: pd.DataFrame, title: str, height: float = 3.6):
+    optimizers = list(dict.fromkeys(runs.optimizer))
+    fig, axes = plt.subplots(1, len(optimizers), figsize=(5.2 * len(optimizers), height), squeeze=False)
+    fig.suptitle(title)
+    return fig, dict(zip(optimizers, axes[0]))
+
+
+def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train/loss"):
+    """Training loss per optimizer, one line per scale/fix (and lr when the sweep has several)."""
+    fig, axes = _per_optimizer(runs, f"{metric} by optimizer")
+    several_lrs = runs.groupby("optimizer").lr.nunique().max() > 1
+    for r in runs.itertuples():
+        series = curve(curves, r.run, metric)
+        label = _label(r) + (f" lr={r.lr:g}" if several_lrs else "")
+        axes[r.optimizer].plot(series.index, series.to_numpy(), label=label, lw=1.2)
+    for name, ax in axes.items():
+        ax.set(title=name, xlabel="step", ylabel=metric)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def _paired(runs: pd.DataFrame):
+    references = pair_references(runs)
+    return [(r, references[i]) for i, r in zip(runs.index, runs.itertuples())
+            if references[i] is not None and references[i] != r.run]
+
+
+def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
+    """|loss(run) - loss(reference)| vs step, log y; reference = same run at scale 1 with the fix on."""
+    fig, axes = _per_optimizer(runs, "|loss - loss(reference: scale 1, fix on)|")
+    for r, ref in _paired(runs):
+        delta = (curve(curves, r.run, "train/loss") - curve(curves, ref, "train/loss")).abs()
+        # exact zeros cannot sit on a log axis: show them at the float32 resolution of the loss
+        axes[r.optimizer].plot(delta.index, delta.clip(lower=1e-7).to_numpy(), label=_label(r), lw=1.2)
+    for name, ax in axes.items():
+        ax.set(title=name, xlabel="step", ylabel="|Δ loss|", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
+    """grad_norm(run) / grad_norm(reference) vs step: flat at exactly c_eff until the trajectories part."""
+    fig, axes = _per_optimizer(runs, "grad norm / grad norm(reference)")
+    for r, ref in _paired(runs):
+        ratio = curve(curves, r.run, "train/grad_norm") / curve(curves, ref, "train/grad_norm")
+        line, = axes[r.optimizer].plot(ratio.index, ratio.to_numpy(), label=_label(r), lw=1.2)
+        axes[r.optimizer].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8)
+    for name, ax in axes.items():
+        ax.set(title=name, xlabel="step", ylabel="ratio (dotted: c_eff)", yscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
+    """Per run, max over steps of |loss - loss(reference)| (NaN without a reference)."""
+    references = pair_references(runs)
+    out = {}
+    for i, r in zip(runs.index, runs.itertuples()):
+        if references[i] is None:
+            out[r.run] = np.nan
+            continue
+        delta = (curve(curves, r.run, "train/loss") - curve(curves, references[i], "train/loss")).abs()
+        out[r.run] = float(delta.max()) if len(delta.dropna()) else np.nan
+    return pd.Series(out)
+
+
+def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None):
+    """Max |Δ loss| vs c_eff (log x) per optimizer; shaded: where the theory predicts AdamW stops
+    being invariant (bands: optimizer -> (c_start, c_all) from measured sqrt(v_hat) quantiles)."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    deltas = max_divergence(runs, curves)
+    table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
+    for optimizer, group in table.groupby("optimizer", sort=False):
+        group = group.sort_values("c_eff")
+        ax.plot(group.c_eff, group.delta.clip(lower=1e-7), "o-", label=optimizer)
+    for optimizer, (c_start, c_all) in (bands or {}).items():
+        ax.axvspan(min(c_start, c_all), max(c_start, c_all), alpha=0.15,
+                   label=f"{optimizer}: predicted breakdown (eps/s, s = q90..q10 of sqrt(v_hat))")
+    ax.set(xscale="log", yscale="log", xlabel="c_eff (effective gradient multiplier)",
+           ylabel="max |Δ loss| vs reference", title="Where scale invariance breaks down")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def final_loss_heatmap(runs: pd.DataFrame):
+    """Final loss over (lr, c_eff) per optimizer: SGD's contours run diagonal, AdamW's vertical."""
+    fig, axes = _per_optimizer(runs, "final loss over (lr, c_eff)", height=4.0)
+    for optimizer, ax in axes.items():
+        grid = runs[runs.optimizer == optimizer].pivot_table(index="lr", columns="c_eff", values="final_loss",
+                                                            aggfunc="mean")
+        image = ax.imshow(grid.to_numpy(dtype=float), origin="lower", aspect="auto", cmap="viridis")
+        ax.set_xticks(range(grid.shape[1]), [f"{c:g}" for c in grid.columns], rotation=45)
+        ax.set_yticks(range(grid.shape[0]), [f"{lr:g}" for lr in grid.index])
+        ax.set(title=optimizer, xlabel="c_eff", ylabel="lr")
+        fig.colorbar(image, ax=ax, label="final loss (blank: diverged)")
+    fig.tight_layout()
+    return fig
+
+
+def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
+    """eps-dominated share of coordinates and update RMS vs step, for Adam-type runs."""
+    fig, (frac_ax, rms_ax) = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    for r in runs.itertuples():
+        frac = curve(curves, r.run, "adam/eps_dominated_frac")
+        if frac.empty:
+            continue
+        label = f"{r.optimizer} " + _label(r)
+        frac_ax.plot(frac.index, frac.to_numpy(), label=label, lw=1.2)
+        rms = curve(curves, r.run, "train/update_rms")
+        rms_ax.plot(rms.index, rms.to_numpy(), label=label, lw=1.2)
+    frac_ax.set(xlabel="step", ylabel="share of coordinates with sqrt(v_hat) < eps", title="eps-dominated share")
+    rms_ax.set(xlabel="step", ylabel="update RMS", yscale="log", title="update RMS")
+    rms_ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def lr_axis(runs: pd.DataFrame):
+    """Final loss vs lr per optimizer and c_eff; diverged runs marked with x at the top."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    finite = runs.final_loss.astype(float)
+    top = np.nanmax(finite.where(np.isfinite(finite))) if np.isfinite(finite).any() else 1.0
+    for (optimizer, c_eff), group in runs.groupby(["optimizer", "c_eff"], sort=False):
+        group = group.sort_values("lr")
+        ok = group[group.status == "completed"]
+        line, = ax.plot(ok.lr, ok.final_loss, "o-", label=f"{optimizer} c_eff={c_eff:g}")
+        bad = group[group.status == "diverged"]
+        ax.plot(bad.lr, [top * 1.05] * len(bad), "x", color=line.get_color(), ms=9)
+    ax.set(xscale="log", xlabel="learning rate", ylabel="final loss", title="final loss vs lr (x: diverged)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

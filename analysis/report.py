@@ -1,0 +1,169 @@
+"""`python -m analysis.report SWEEP_DIR [SWEEP_DIR ...] [--out DIR] [--wandb]`
+
+Writes every standard figure that applies to the sweep (PNG, 200 dpi) and report.md: the runs table and,
+per optimizer and scale, final loss, max |Δ loss| vs the reference run, grad-norm ratio at step 0 and
+status. Figures that do not apply are skipped with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis import plots
+from analysis.load import curve, load, pair_references, read_jsonl
+from analysis.theory import breakdown_band
+
+log = logging.getLogger(__name__)
+DPI = 200
+
+
+def measured_bands(runs: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Per Adam-type optimizer, (c_start, c_all) from the reference run's last sqrt(v_hat) quantiles:
+    the numel-weighted medians over tensors of each tensor's q10 and q90."""
+    bands = {}
+    references = runs[(runs.scale == 1.0) & runs.fix & runs.eps.notna()]
+    for r in references.itertuples():
+        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
+        if stats.empty or r.optimizer in bands:
+            continue
+        last = stats[stats.step == stats.step.max()]
+        weighted = {q: _weighted_median(last[q].to_numpy(), last.numel.to_numpy()) for q in ("q10", "q90")}
+        bands[r.optimizer] = breakdown_band(weighted, r.eps)
+    return bands
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
+
+
+def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    references = pair_references(runs)
+    deltas = plots.max_divergence(runs, curves)
+    rows = []
+    for i, r in zip(runs.index, runs.itertuples()):
+        ratio = math.nan
+        if references[i] is not None:
+            mine, ref = curve(curves, r.run, "train/grad_norm"), curve(curves, references[i], "train/grad_norm")
+            if len(mine) and len(ref):
+                ratio = float(mine.iloc[0] / ref.iloc[0])
+        rows.append({"optimizer": r.optimizer, "lr": r.lr, "scale": r.scale, "fix": r.fix, "c_eff": r.c_eff,
+                     "status": r.status, "final loss": r.final_loss, "max abs Δloss vs ref": deltas[r.run],
+                     "grad-norm ratio @ step 0": ratio, "reference": references[i]})
+    return pd.DataFrame(rows)
+
+
+def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callable | None, str]]:
+    """(file stem, figure maker or None, reason when None) for every standard figure."""
+    paired = pair_references(runs)
+    has_pairs = any(ref is not None and ref != run for ref, run in zip(paired, runs.run))
+    adam = (curves.metric == "adam/eps_dominated_frac").any()
+    lrs_per_opt = runs.groupby("optimizer").lr.nunique().max()
+    c_per_opt = runs.groupby("optimizer").c_eff.nunique().max()
+    no_ref = "no run pairs with a reference (same config at scale 1, fix on)"
+    return [
+        ("loss_curves", lambda: plots.loss_curves(runs, curves), ""),
+        ("divergence", (lambda: plots.divergence(runs, curves)) if has_pairs else None, no_ref),
+        ("grad_norm_ratio", (lambda: plots.grad_norm_ratio(runs, curves)) if has_pairs else None, no_ref),
+        ("breakdown", (lambda: plots.breakdown(runs, curves, measured_bands(runs))) if has_pairs else None, no_ref),
+        ("final_loss_heatmap", (lambda: plots.final_loss_heatmap(runs)) if lrs_per_opt > 1 and c_per_opt > 1
+         else None, "needs at least 2 learning rates and 2 values of c_eff for one optimizer"),
+        ("adam_state", (lambda: plots.adam_state(runs, curves)) if adam else None, "no Adam-type runs"),
+        ("lr_axis", (lambda: plots.lr_axis(runs)) if lrs_per_opt > 1 else None, "no lr axis: one lr per optimizer"),
+    ]
+
+
+def _markdown(table: pd.DataFrame) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return "-" if math.isnan(value) else f"{value:.4g}"
+        return "-" if value is None else str(value)
+
+    header = "| " + " | ".join(table.columns) + " |"
+    rule = "|" + "|".join("---" for _ in table.columns) + "|"
+    body = ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join([header, rule, *body])
+
+
+def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
+    import matplotlib.pyplot as plt
+
+    runs, curves = load(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    written, skipped = [], []
+    for stem, make, reason in _figures(runs, curves):
+        if make is None:
+            skipped.append(f"- `{stem}`: skipped, {reason}")
+            print(f"skipped {stem}: {reason}")
+            continue
+        fig = make()
+        path = out / f"{stem}.png"
+        fig.savefig(path, dpi=DPI)
+        plt.close(fig)
+        written.append(path)
+        print(f"wrote {path}")
+    summary = summary_table(runs, curves)
+    run_columns = ["run", "optimizer", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
+                   "best_eval_loss", "steps_done"]
+    lines = [
+        "# gradscale report", "", f"Sweeps: {', '.join(str(p) for p in paths)}", "",
+        "## Per optimizer and scale", "",
+        "max abs Δloss is over logged steps, against the run identical but for scale 1 with the fix on.", "",
+        _markdown(summary.drop(columns=["reference"])), "",
+        "## Figures", "", *[f"![{p.stem}]({p.name})" for p in written], "", *skipped, "",
+        "## Runs", "", _markdown(runs[run_columns]), "",
+    ]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    summary.to_csv(out / "summary.csv", index=False)
+    return report, written
+
+
+def log_to_wandb(paths: list[Path], out: Path, figures: list[Path], mode: str, project: str) -> None:
+    """One W&B run of job_type `analysis` in the sweep's group: the figures and the runs table."""
+    try:
+        import wandb
+
+        runs, _ = load(paths)
+        run = wandb.init(project=project, group=Path(paths[0]).name, job_type="analysis", name="report",
+                         mode=mode, dir=str(out), settings=wandb.Settings(init_timeout=60, console="off"))
+        run.log({f"figures/{p.stem}": wandb.Image(str(p)) for p in figures})
+        run.log({"runs": wandb.Table(dataframe=runs.astype({"clip": str}))})
+        run.finish()
+        print(f"W&B analysis run logged ({mode}) under {out / 'wandb'}")
+    except Exception as e:  # the report on disk is what counts
+        print(f"warning: W&B logging failed ({type(e).__name__}: {e}); the report on disk is complete",
+              file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\n")[1])
+    parser.add_argument("sweeps", nargs="+", type=Path, help="sweep folders or run folders")
+    parser.add_argument("--out", type=Path, help="output folder (default: FIRST_SWEEP/report)")
+    parser.add_argument("--wandb", action="store_true", help="also log figures and runs table to W&B")
+    parser.add_argument("--wandb-mode", choices=("offline", "online"), default="offline")
+    parser.add_argument("--wandb-project", default="gradscale")
+    args = parser.parse_args(argv)
+    out = args.out or args.sweeps[0] / "report"
+    try:
+        report, figures = write_report(args.sweeps, out)
+    except FileNotFoundError as e:
+        print(str(e) if str(e).startswith("error:") else f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {report}")
+    if args.wandb:
+        log_to_wandb(args.sweeps, out, figures, args.wandb_mode, args.wandb_project)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

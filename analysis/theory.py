@@ -1,0 +1,48 @@
+"""What the theory predicts (DESIGN.md, physics 2-4), as plain functions of measured quantities.
+
+Notation: c = effective gradient multiplier, s = a coordinate's sqrt(v_hat) at c = 1, eps = Adam's eps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def effective_multiplier(scale: float, fix: bool, world_size: int) -> float:
+    """c_eff: the optimizer sees c_eff times the gradient of the token-mean loss."""
+    return scale * (1.0 if fix else 1.0 / world_size)
+
+
+def update_ratio(c, s, eps):
+    """Adam's per-coordinate update at multiplier c relative to c = 1 with eps -> 0: r = c*s / (c*s + eps)."""
+    c, s = np.asarray(c, dtype=float), np.asarray(s, dtype=float)
+    return c * s / (c * s + eps)
+
+
+def critical_scale(s, eps):
+    """c* = eps / s: below it, eps dominates that coordinate's denominator (r < 1/2)."""
+    return eps / np.asarray(s, dtype=float)
+
+
+def sgd_equivalent_lr(lr: float, c: float) -> float:
+    """SGD(lr, c) == SGD(lr * c, 1) step for step (no weight decay)."""
+    return lr * c
+
+
+def adamw_equivalent_eps(eps: float, c: float) -> float:
+    """AdamW(c, eps) == AdamW(1, eps / c) exactly (decoupled weight decay, no clipping)."""
+    return eps / c
+
+
+def eps_dominated_share(c: float, s, eps: float, weights=None) -> float:
+    """Share of coordinates with c*s < eps (weights: coordinates each s stands for)."""
+    s = np.asarray(s, dtype=float)
+    weights = np.ones_like(s) if weights is None else np.asarray(weights, dtype=float)
+    return float(weights[c * s < eps].sum() / weights.sum())
+
+
+def breakdown_band(sqrt_v_quantiles: dict[str, float], eps: float, low: str = "q10", high: str = "q90"):
+    """(c_start, c_all): the multiplier range where Adam's invariance breaks down, from measured sqrt(v_hat)
+    quantiles. Below c_start = eps/s_low the most rarely updated tenth of coordinates is eps-dominated;
+    below c_all = eps/s_high nine tenths are."""
+    return float(eps / sqrt_v_quantiles[low]), float(eps / sqrt_v_quantiles[high])

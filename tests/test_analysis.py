@@ -1,0 +1,162 @@
+"""analysis: loading, pairing, theory, plots on synthetic tables, and the report on a real tiny sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import matplotlib.figure
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import plots, theory
+from analysis.load import load, pair_references, read_jsonl
+from tests.conftest import TINY
+
+
+def synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"), lrs=(1e-3,), steps=5):
+    """A runs table and curves in the shape analysis.load returns; loss drifts away with log2(c)."""
+    runs, curves = [], []
+    for optimizer in optimizers:
+        for lr in lrs:
+            for c in c_values:
+                name = f"{optimizer}-{lr:g}-{c:g}"
+                runs.append({"run": name, "optimizer": optimizer, "lr": lr,
+                             "eps": 1e-8 if optimizer == "adamw" else float("nan"), "scale": c, "fix": True,
+                             "world_size": 8, "clip": None, "precision": "fp32", "normalization": "global_tokens",
+                             "seed": 0, "steps": steps, "status": "completed", "final_loss": 5.0 + math.log2(c),
+                             "best_eval_loss": 5.0, "diverged_at_step": None, "steps_done": steps,
+                             "path": "", "c_eff": c})
+                for step in range(steps):
+                    curves += [(name, step, "train/loss", 6.0 - 0.1 * step + 0.01 * step * math.log2(c)),
+                               (name, step, "train/grad_norm", c * (1 + 0.1 * step)),
+                               (name, step, "train/update_rms", 1e-3)]
+                    if optimizer == "adamw":
+                        curves.append((name, step, "adam/eps_dominated_frac", 0.01 * step))
+    return pd.DataFrame(runs), pd.DataFrame(curves, columns=["run", "step", "metric", "value"])
+
+
+def test_effective_multiplier_and_theory():
+    assert theory.effective_multiplier(1.0, fix=False, world_size=8) == 1 / 8
+    assert theory.effective_multiplier(8.0, fix=True, world_size=8) == 8
+    assert theory.update_ratio(1.0, 1e-8, 1e-8) == pytest.approx(0.5)
+    assert theory.critical_scale(1e-4, 1e-8) == pytest.approx(1e-4)
+    assert theory.sgd_equivalent_lr(0.1, 8) == pytest.approx(0.8)
+    assert theory.adamw_equivalent_eps(1e-8, 8) == pytest.approx(1.25e-9)
+    assert theory.eps_dominated_share(1.0, [1e-9, 1e-7, 1e-6, 1e-5], 1e-8) == 0.25
+    c_start, c_all = theory.breakdown_band({"q10": 1e-6, "q90": 1e-3}, 1e-8)
+    assert c_start == pytest.approx(1e-2) and c_all == pytest.approx(1e-5)
+
+
+def test_pairing_finds_the_reference_run():
+    runs, _ = synthetic(lrs=(1e-3, 1e-2))
+    runs.loc[len(runs)] = {**runs.iloc[1].to_dict(), "run": "sgd-0.001-nofix", "fix": False, "scale": 1.0,
+                           "c_eff": 1 / 8}
+    references = dict(zip(runs.run, pair_references(runs)))
+    assert references["sgd-0.01-8"] == "sgd-0.01-1"
+    assert references["adamw-0.001-8"] == "adamw-0.001-1"
+    assert references["sgd-0.001-nofix"] == "sgd-0.001-1"
+    runs.loc[1, "seed"] = 1  # sgd-0.001-8 with a different seed is a different experiment: no reference for it
+    assert pair_references(runs)[1] is None
+
+
+@pytest.mark.parametrize(
+    ("maker", "n_axes"),
+    [(plots.loss_curves, 2), (plots.divergence, 2), (plots.grad_norm_ratio, 2), (plots.adam_state, 2)],
+)
+def test_curve_plots(maker, n_axes):
+    runs, curves = synthetic()
+    fig = maker(runs, curves)
+    assert isinstance(fig, matplotlib.figure.Figure)
+    axes = [ax for ax in fig.axes if ax.get_lines()]
+    assert len(axes) == n_axes
+    if maker is plots.loss_curves:
+        assert [len(ax.get_lines()) for ax in axes] == [2, 2]  # one line per scale
+    if maker is plots.divergence:
+        assert [len(ax.get_lines()) for ax in axes] == [1, 1]  # the reference itself is not drawn
+        assert axes[0].get_yscale() == "log"
+    if maker is plots.grad_norm_ratio:
+        ratio = axes[0].get_lines()[0].get_ydata()
+        assert np.allclose(ratio, 8.0)  # flat at exactly c_eff
+
+
+def test_breakdown_heatmap_and_lr_axis():
+    runs, curves = synthetic(c_values=(1.0, 8.0, 64.0), lrs=(1e-3, 1e-2))
+    runs.loc[runs.run == "sgd-0.01-64", ["status", "final_loss"]] = ["diverged", float("nan")]
+    fig = plots.breakdown(runs, curves, bands={"adamw": (1e-2, 1e-5)})
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "log" and len(ax.get_lines()) == 2 and len(ax.patches) == 1  # the shaded band
+    heat = plots.final_loss_heatmap(runs)
+    assert len(heat.axes) == 4 and heat.axes[0].images[0].get_array().shape == (2, 3)  # 2 plots + 2 colorbars
+    axis = plots.lr_axis(runs)
+    diverged_marks = [line for line in axis.axes[0].get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
+    assert len(diverged_marks) == 1
+
+
+def test_torn_last_line_is_tolerated(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 0, "train/loss": 1.0}) + "\n" + '{"step": 1, "train/lo')
+    assert read_jsonl(path) == [{"step": 0, "train/loss": 1.0}]
+
+
+@pytest.fixture(scope="module")
+def tiny_sweep(tmp_path_factory, cache_dir):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import OFFLINE_ENV, ROOT
+
+    sweep = tmp_path_factory.mktemp("analysis") / "sweep"
+    args = ["-m", "optimizer=sgd,adamw", "optimizer.lr=1e-3,1e-2", "scale=1,8", *TINY, "adam_stats_every=2",
+            f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    proc = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep
+
+
+def test_load_a_real_sweep(tiny_sweep):
+    runs, curves = load(tiny_sweep)
+    assert len(runs) == 8 and set(runs.status) == {"completed"}
+    assert set(runs.c_eff) == {1.0, 8.0}
+    assert {"train/loss", "train/grad_norm", "eval/loss", "adam/sqrt_v_rms"} <= set(curves.metric)
+    # an interrupted run (no summary) is kept, with that status
+    (runs.path.map(lambda p: __import__("pathlib").Path(p)).iloc[0] / "summary.json").unlink()
+    runs, _ = load(tiny_sweep)
+    assert runs.status.iloc[0] == "interrupted"
+
+
+def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
+    from analysis.report import main
+
+    assert main([str(tiny_sweep), "--out", str(tmp_path / "report")]) == 0
+    out = tmp_path / "report"
+    expected = {"loss_curves", "divergence", "grad_norm_ratio", "breakdown", "final_loss_heatmap", "adam_state",
+                "lr_axis"}
+    assert {p.stem for p in out.glob("*.png")} == expected
+    report = (out / "report.md").read_text()
+    assert "## Per optimizer and scale" in report and report.count("| adamw |") >= 4
+    summary = pd.read_csv(out / "summary.csv")
+    scaled = summary[(summary.scale == 8) & summary["reference"].notna()]
+    assert np.allclose(scaled["grad-norm ratio @ step 0"], 8.0, rtol=1e-5)
+
+
+def test_report_skips_figures_that_do_not_apply(tmp_path, cli):
+    sweep = tmp_path / "one"
+    assert cli(["-m", "scale=8", *TINY, f"hydra.sweep.dir={sweep}"]).returncode == 0
+    from analysis.report import main
+
+    assert main([str(sweep), "--out", str(tmp_path / "r")]) == 0
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "`divergence`: skipped, no run pairs with a reference" in report
+    assert (tmp_path / "r" / "loss_curves.png").exists() and not (tmp_path / "r" / "divergence.png").exists()
+
+
+def test_report_on_a_missing_folder_is_one_line_error(tmp_path, capsys):
+    from analysis.report import main
+
+    assert main([str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} does not exist"
