@@ -15,7 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
-SWEEP_DIR ?= multirun/$(shell date +%Y-%m-%d/%H-%M-%S)
+ifndef SWEEP_DIR
+SWEEP_DIR := multirun/$(shell date +%Y-%m-%d/%H-%M-%S)
+endif
 
 sweep: install
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run -m optimizer=sgd,adamw scale=1,8 \

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # headless: figures are written to files
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+from analysis.load import curve, pair_references
 
-from analysis.load import curve, pair_references  # noqa: E402
+# Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
+# notebook shows each returned figure exactly once.
 
 
 def _label(r) -> str:
@@ -18,7 +18,8 @@ def _label(r) -> str:
 
 def _per_optimizer(runs: pd.DataFrame, title: str, height: float = 3.6):
     optimizers = list(dict.fromkeys(runs.optimizer))
-    fig, axes = plt.subplots(1, len(optimizers), figsize=(5.2 * len(optimizers), height), squeeze=False)
+    fig = Figure(figsize=(5.2 * len(optimizers), height))
+    axes = fig.subplots(1, len(optimizers), squeeze=False)
     fig.suptitle(title)
     return fig, dict(zip(optimizers, axes[0]))
 
@@ -88,7 +89,8 @@ def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
 def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None):
     """Max |Δ loss| vs c_eff (log x) per optimizer; shaded: where the theory predicts AdamW stops
     being invariant (bands: optimizer -> (c_start, c_all) from measured sqrt(v_hat) quantiles)."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
     for optimizer, group in table.groupby("optimizer", sort=False):
@@ -121,7 +123,8 @@ def final_loss_heatmap(runs: pd.DataFrame):
 
 def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
     """eps-dominated share of coordinates and update RMS vs step, for Adam-type runs."""
-    fig, (frac_ax, rms_ax) = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    fig = Figure(figsize=(10.4, 3.8))
+    frac_ax, rms_ax = fig.subplots(1, 2)
     for r in runs.itertuples():
         frac = curve(curves, r.run, "adam/eps_dominated_frac")
         if frac.empty:
@@ -139,7 +142,8 @@ def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
 
 def lr_axis(runs: pd.DataFrame):
     """Final loss vs lr per optimizer and c_eff; diverged runs marked with x at the top."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
     finite = runs.final_loss.astype(float)
     top = np.nanmax(finite.where(np.isfinite(finite))) if np.isfinite(finite).any() else 1.0
     for (optimizer, c_eff), group in runs.groupby(["optimizer", "c_eff"], sort=False):

@@ -95,8 +95,6 @@ def _markdown(table: pd.DataFrame) -> str:
 
 
 def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
-    import matplotlib.pyplot as plt
-
     runs, curves = load(paths)
     out.mkdir(parents=True, exist_ok=True)
     written, skipped = [], []
@@ -108,7 +106,6 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         fig = make()
         path = out / f"{stem}.png"
         fig.savefig(path, dpi=DPI)
-        plt.close(fig)
         written.append(path)
         print(f"wrote {path}")
     summary = summary_table(runs, curves)

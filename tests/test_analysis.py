@@ -160,3 +160,19 @@ def test_report_on_a_missing_folder_is_one_line_error(tmp_path, capsys):
 
     assert main([str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} does not exist"
+
+
+@pytest.mark.parametrize("name", ["01_world_size_fix", "02_adam_invariance_breakdown"])
+def test_notebooks_execute_headless_on_a_tiny_sweep(tiny_sweep, tmp_path, name):
+    import nbformat
+
+    from analysis.notebook import execute
+    from tests.conftest import ROOT
+
+    out = execute(ROOT / "analysis" / "notebooks" / f"{name}.py", tiny_sweep, tmp_path / f"{name}.ipynb")
+    notebook = nbformat.read(out, as_version=4)
+    images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors and len(images) >= 2
