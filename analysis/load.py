@@ -71,8 +71,7 @@ def _run_row(run_dir: Path, name: str) -> dict:
         "world_size": int(summary.get("world_size", cfg.world_size)),
         "clip": cfg.clip_grad_norm,
         "precision": cfg.precision,
-        "normalization": summary.get("normalization", OmegaConf.select(cfg, "normalization.name",
-                                                                        default="global_tokens")),
+        "normalization": OmegaConf.select(cfg, "normalization.name", default="global_tokens"),  # as configured
         "seed": int(cfg.seed),
         "steps": int(cfg.steps),
         "status": summary["status"],
@@ -122,7 +121,8 @@ def pair_references(runs: pd.DataFrame) -> pd.Series:
     keys = list(PAIRING_KEYS)
     references = runs[(runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens")]
     lookup = {tuple(_key(r[k]) for k in keys): r["run"] for _, r in references.iterrows()}
-    found = [lookup.get(tuple(_key(r[k]) for k in keys)) for _, r in runs.iterrows()]
+    found = [lookup.get(tuple(_key(r[k]) for k in keys)) for _, r in runs.assign(
+        normalization=runs.normalization.replace("global_tokens_no_world_fix", "global_tokens")).iterrows()]
     return pd.Series(found, index=runs.index, dtype=object)  # object: None stays None
 
 

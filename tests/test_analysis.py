@@ -176,3 +176,12 @@ def test_notebooks_execute_headless_on_a_tiny_sweep(tiny_sweep, tmp_path, name):
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors and len(images) >= 2
+
+
+def test_report_logs_one_offline_wandb_analysis_run(tiny_sweep, tmp_path, monkeypatch):
+    from analysis.report import main
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main([str(tiny_sweep), "--out", str(tmp_path / "r"), "--wandb"]) == 0
+    offline_runs = list((tmp_path / "r" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
