@@ -34,6 +34,7 @@ import torch
 
 from experiments.config import RECIPES
 from experiments.data import IGNORE_INDEX
+from experiments.sweep import render_table
 
 CASES = ("equal", "ragged", "zero_rank")
 SEQ_LEN = 32
@@ -176,9 +177,7 @@ def format_table(rows: list[Row]) -> str:
     header = ("case", "tokens/rank", "recipe", "rel. error", "norm ratio", "cosine", "expected", "verdict")
     lines = [(r.case, ",".join(map(str, r.tokens_per_rank)), r.recipe, f"{r.rel_err:.2e}", f"{r.norm_ratio:.6f}",
               f"{r.cosine:.8f}", r.expected, "ok" if r.ok else "FAIL") for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(header, *lines)]
-    render = ["  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in (header, *lines)]
-    return "\n".join([render[0], "  ".join("-" * w for w in widths), *render[1:]])
+    return render_table(header, lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,11 @@ def format_sweep_table(rows: list[dict[str, Any]]) -> str:
          fmt(r.get("best_eval_loss"), ".4f"), fmt(r.get("steps_done"), "d"), fmt(r.get("wall_s"), ".1f"))
         for r in rows
     ]
+    return render_table(header, lines)
+
+
+def render_table(header: tuple[str, ...], lines: list[tuple]) -> str:
+    """Plain-text table: left-aligned columns, a rule under the header."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
     render = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in (header, *lines)]
     return "\n".join([render[0], "  ".join("-" * w for w in widths), *render[1:]])
