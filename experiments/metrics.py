@@ -43,24 +43,28 @@ class RunLog:
             self._wandb = self._start_wandb(wandb_cfg, name=name, group=group, tags=tags, config=config)
 
     def _start_wandb(self, wandb_cfg, **run_info):
-        try:
-            import wandb
+        """Online falls back to offline (no key, no network); if W&B cannot start at all, local files only."""
+        import wandb
 
-            run = wandb.init(
-                project=wandb_cfg.project,
-                mode=wandb_cfg.mode,
-                dir=str(self.run_dir),
-                job_type="train",
-                reinit="finish_previous",  # one W&B run per sweep job, never merged
-                settings=wandb.Settings(init_timeout=60, console="off", silent=True),
-                **run_info,
-            )
-            run.define_metric("step")
-            run.define_metric("*", step_metric="step")
-            return run
-        except Exception as e:  # W&B never stops training
-            log.warning("W&B could not start (%s: %s); continuing with local files only", type(e).__name__, e)
-            return None
+        modes = [wandb_cfg.mode, "offline"] if wandb_cfg.mode == "online" else [wandb_cfg.mode]
+        for mode in modes:
+            try:
+                run = wandb.init(
+                    project=wandb_cfg.project,
+                    mode=mode,
+                    dir=str(self.run_dir),
+                    job_type="train",
+                    reinit="finish_previous",  # one W&B run per sweep job, never merged
+                    settings=wandb.Settings(init_timeout=15 if mode == "online" else 60, console="off", silent=True),
+                    **run_info,
+                )
+                run.define_metric("step")
+                run.define_metric("*", step_metric="step")
+                return run
+            except Exception as e:  # W&B never stops training
+                then = "falling back to offline" if mode == "online" else "continuing with local files only"
+                log.warning("W&B (%s) could not start (%s: %s); %s", mode, type(e).__name__, e, then)
+        return None
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}

@@ -155,3 +155,13 @@ def test_wandb_offline_writes_a_local_run(cli, tmp_path):
     offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def test_wandb_online_without_a_key_falls_back_to_offline(cli, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    run_dir = tmp_path / "run"
+    proc = cli([*TINY, "wandb.mode=online", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "falling back to offline" in proc.stdout + proc.stderr
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
