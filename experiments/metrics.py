@@ -38,7 +38,7 @@ class RunLog:
         self.metrics_path = run_dir / "metrics.jsonl"
         self._metrics = open(self.metrics_path, "a", buffering=1)  # line-buffered: one flush per record
         self._adam_stats = None  # adam_stats.jsonl, opened on first use
-        self._wandb = None
+        self._wandb, self._wandb_failed = None, False
         if wandb_cfg.mode != "disabled":
             self._wandb = self._start_wandb(wandb_cfg, name=name, group=group, tags=tags, config=config)
 
@@ -69,12 +69,12 @@ class RunLog:
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: _json_number(v) if isinstance(v, float) else v for k, v in record.items()}
         self._metrics.write(json.dumps(clean) + "\n")
-        if self._wandb is not None:
+        if self._wandb is not None and not self._wandb_failed:
             try:
                 self._wandb.log(record)
             except Exception as e:
                 log.warning("W&B log failed (%s: %s); W&B is off for the rest of this run", type(e).__name__, e)
-                self._wandb = None
+                self._wandb_failed = True
 
     def log_adam_stats(self, records: list[dict[str, Any]]) -> None:
         """Per-tensor sqrt(v_hat) quantiles (adam_stats_every), next to metrics.jsonl."""
@@ -88,10 +88,12 @@ class RunLog:
         if self._adam_stats is not None:
             self._adam_stats.close()
         write_json_atomic(self.run_dir / "summary.json", summary)
-        if self._wandb is not None:
-            try:
-                for key, value in summary.items():
-                    if isinstance(value, (int, float, str, bool)) or value is None:
-                        self._wandb.summary[key] = value
-            finally:
-                self._wandb.finish(exit_code=0 if summary.get("status") != "failed" else 1)
+        if self._wandb is None:
+            return
+        try:
+            for key, value in summary.items():
+                if isinstance(value, (int, float, str, bool)) or value is None:
+                    self._wandb.summary[key] = value
+            self._wandb.finish(exit_code=0 if summary.get("status") != "failed" else 1)
+        except Exception as e:  # the local summary is already written
+            log.warning("W&B finish failed (%s: %s)", type(e).__name__, e)
