@@ -91,9 +91,11 @@ class RunLog:
         if self._wandb is None:
             return
         try:
-            for key, value in summary.items():
-                if isinstance(value, (int, float, str, bool)) or value is None:
-                    self._wandb.summary[key] = value
-            self._wandb.finish(exit_code=0 if summary.get("status") != "failed" else 1)
+            try:
+                for key, value in summary.items():
+                    if isinstance(value, (int, float, str, bool)) or value is None:
+                        self._wandb.summary[key] = value
+            finally:
+                self._wandb.finish(exit_code=0 if summary.get("status") != "failed" else 1)
         except Exception as e:  # the local summary is already written
-            log.warning("W&B finish failed (%s: %s)", type(e).__name__, e)
+            log.warning("W&B summary or finish failed (%s: %s)", type(e).__name__, e)
