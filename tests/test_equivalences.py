@@ -97,3 +97,14 @@ def test_config_check_and_optimizer_table_agree():
     from experiments import config, optim
 
     assert set(config.OPTIMIZERS) == set(optim.OPTIMIZERS)
+
+
+def test_same_config_and_seed_give_identical_metrics(tmp_path, cache_dir):
+    def without_timings(records):
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
+
+    _, first = run_in_process(tmp_path / "a", ["optimizer=adamw", "seed=5"])
+    _, second = run_in_process(tmp_path / "b", ["optimizer=adamw", "seed=5"])
+    _, other_seed = run_in_process(tmp_path / "c", ["optimizer=adamw", "seed=6"])
+    assert without_timings(first) == without_timings(second)
+    assert without_timings(first) != without_timings(other_seed)
