@@ -98,7 +98,7 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
         ax.plot(group.c_eff, group.delta.clip(lower=1e-7), "o-", label=optimizer)
     for optimizer, (c_start, c_all) in (bands or {}).items():
         ax.axvspan(min(c_start, c_all), max(c_start, c_all), alpha=0.15,
-                   label=f"{optimizer}: predicted breakdown (eps/s, s = q90..q10 of sqrt(v_hat))")
+                   label=f"{optimizer}: predicted breakdown (eps/s, s = q90..q10 of sqrt(v_hat), all steps)")
     ax.set(xscale="log", yscale="log", xlabel="c_eff (effective gradient multiplier)",
            ylabel="max |Δ loss| vs reference", title="Where scale invariance breaks down")
     ax.legend(fontsize=7)

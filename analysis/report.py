@@ -26,17 +26,20 @@ DPI = 200
 
 
 def measured_bands(runs: pd.DataFrame) -> dict[str, tuple[float, float]]:
-    """Per Adam-type optimizer, (c_start, c_all) from the reference run's last sqrt(v_hat) quantiles:
-    the numel-weighted medians over tensors of each tensor's q10 and q90."""
+    """Per Adam-type optimizer, (c_start, c_all) from the reference run's sqrt(v_hat) quantiles: at each
+    recorded step, the numel-weighted medians over tensors of each tensor's q10 and q90 give a band; the
+    result spans them all (early in training s is smaller, so the breakdown starts at larger c)."""
     bands = {}
     references = runs[(runs.scale == 1.0) & runs.fix & runs.eps.notna()]
     for r in references.itertuples():
         stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
         if stats.empty or r.optimizer in bands:
             continue
-        last = stats[stats.step == stats.step.max()]
-        weighted = {q: _weighted_median(last[q].to_numpy(), last.numel.to_numpy()) for q in ("q10", "q90")}
-        bands[r.optimizer] = breakdown_band(weighted, r.eps)
+        per_step = [
+            breakdown_band({q: _weighted_median(g[q].to_numpy(), g.numel.to_numpy()) for q in ("q10", "q90")}, r.eps)
+            for _, g in stats.groupby("step")
+        ]
+        bands[r.optimizer] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
     return bands
 
 

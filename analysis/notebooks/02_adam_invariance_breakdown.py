@@ -39,7 +39,8 @@ summary_table(runs, curves).drop(columns=["reference"])
 
 # %% [markdown]
 # Predicted band: between eps/s_q90 (nine tenths of coordinates eps-dominated) and eps/s_q10 (the
-# lowest tenth), with s the numel-weighted median over tensors of each quantile.
+# lowest tenth), with s the numel-weighted median over tensors of each quantile, spanning every step
+# recorded in `adam_stats.jsonl` (early in training s is smaller, so the breakdown starts at larger c).
 
 # %%
 {name: {"c_start": c_start, "c_all": c_all} for name, (c_start, c_all) in bands.items()}
