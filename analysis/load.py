@@ -14,6 +14,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from analysis.theory import effective_multiplier
+from experiments.sweep import job_dirs
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +28,14 @@ def run_dirs(paths: list[str | Path]) -> list[Path]:
     for path in map(Path, paths):
         if not path.exists():
             raise FileNotFoundError(f"error: {path} does not exist")
-        candidates = [path] if (path / ".hydra" / "config.yaml").exists() else sorted(
-            (c.parent.parent for c in path.rglob(".hydra/config.yaml")), key=_job_order)
-        found.extend(candidates)
+        if (path / ".hydra" / "config.yaml").exists():
+            found.append(path)
+        else:  # every sweep folder below, each in job order
+            for sweep_dir in sorted({c.parent.parent.parent for c in path.rglob(".hydra/config.yaml")}):
+                found.extend(job_dirs(sweep_dir))
     if not found:
         raise FileNotFoundError(f"error: no run folders (with .hydra/config.yaml) under {', '.join(map(str, paths))}")
     return found
-
-
-def _job_order(d: Path) -> tuple:
-    head = d.name.split("_")[0]
-    return (str(d.parent), int(head) if head.isdigit() else 1 << 30, d.name)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -44,11 +44,11 @@ class RunLog:
 
     def _start_wandb(self, wandb_cfg, **run_info):
         """Online falls back to offline (no key, no network); if W&B cannot start at all, local files only."""
-        import wandb
-
         modes = [wandb_cfg.mode, "offline"] if wandb_cfg.mode == "online" else [wandb_cfg.mode]
         for mode in modes:
             try:
+                import wandb  # inside the try: not even a broken install stops training
+
                 run = wandb.init(
                     project=wandb_cfg.project,
                     mode=mode,

@@ -36,6 +36,19 @@ def build_optimizer(cfg, params) -> torch.optim.Optimizer:
     return OPTIMIZERS[cfg.name](cfg, params)
 
 
+def adam_states(optimizer: torch.optim.Optimizer):
+    """(param, local exp_avg_sq, bias correction 1 - beta2^t, eps) for every Adam-type state.
+
+    v_hat = exp_avg_sq / (1 - beta2^t); under FSDP2 exp_avg_sq is this rank's shard."""
+    for group in optimizer.param_groups:
+        if "eps" not in group or "betas" not in group:
+            continue
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "exp_avg_sq" in state:
+                yield p, local(state["exp_avg_sq"]), 1 - group["betas"][1] ** float(state["step"]), group["eps"]
+
+
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
 MAX_QUANTILE_SAMPLE = 1 << 20  # torch.quantile's input limit is 2^24; a strided sample is plenty
 
@@ -44,19 +57,12 @@ MAX_QUANTILE_SAMPLE = 1 << 20  # torch.quantile's input limit is 2^24; a strided
 def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str], step: int) -> list[dict]:
     """Per-tensor quantiles of sqrt(v_hat): the measured s in the theory's c* = eps / s (analysis.theory)."""
     records = []
-    for group in optimizer.param_groups:
-        if "betas" not in group:
-            continue
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state or "exp_avg_sq" not in state:
-                continue
-            v = local(state["exp_avg_sq"]).flatten()
-            v = v[:: max(1, v.numel() // MAX_QUANTILE_SAMPLE)].float()
-            sqrt_v = (v / (1 - group["betas"][1] ** float(state["step"]))).sqrt()
-            q = torch.quantile(sqrt_v, torch.tensor(QUANTILES, device=sqrt_v.device)).tolist()
-            records.append({"step": step, "tensor": names.get(p, "?"), "numel": p.numel(), "eps": group["eps"],
-                            **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)}})
+    for p, v, bias_correction2, eps in adam_states(optimizer):
+        v = v.flatten()[:: max(1, v.numel() // MAX_QUANTILE_SAMPLE)].float()
+        sqrt_v = (v / bias_correction2).sqrt()
+        q = torch.quantile(sqrt_v, torch.tensor(QUANTILES, device=sqrt_v.device)).tolist()
+        records.append({"step": step, "tensor": names.get(p, "?"), "numel": p.numel(), "eps": eps,
+                        **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)}})
     return records
 
 
@@ -64,25 +70,16 @@ def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor,
 def adam_state_stats(optimizer: torch.optim.Optimizer, ranks: Ranks | None = None) -> dict[str, torch.Tensor]:
     """RMS of sqrt(v_hat) over all coordinates, and the share whose sqrt(v_hat) < eps.
 
-    v_hat = exp_avg_sq / (1 - beta2^t). Where sqrt(v_hat) < eps, eps dominates Adam's denominator and
-    the update is no longer invariant to the gradient's scale (DESIGN.md, physics 3-4).
-    Returns 0-d tensors (no host sync here); empty dict for optimizers without Adam state.
+    Where sqrt(v_hat) < eps, eps dominates Adam's denominator and the update is no longer invariant to
+    the gradient's scale (DESIGN.md, physics 3-4). Returns 0-d tensors (no host sync here); empty dict
+    for optimizers without Adam state. Under FSDP2 the shards' sums are added over ranks.
     """
     sum_v, below, count = [], [], 0
-    for group in optimizer.param_groups:
-        if "eps" not in group or "betas" not in group:
-            continue
-        beta2, eps = group["betas"][1], group["eps"]
-        for p in group["params"]:
-            state = optimizer.state.get(p)
-            if not state or "exp_avg_sq" not in state:
-                continue
-            bias_correction2 = 1 - beta2 ** float(state["step"])
-            v = local(state["exp_avg_sq"])  # FSDP2: this rank's shard; summed over ranks below
-            sum_v.append(v.sum() / bias_correction2)
-            # sqrt(v / bc2) < eps  <=>  v < eps^2 * bc2  (no sqrt over the whole state)
-            below.append((v < eps * eps * bias_correction2).sum())
-            count += v.numel()
+    for _, v, bias_correction2, eps in adam_states(optimizer):
+        sum_v.append(v.sum() / bias_correction2)
+        # sqrt(v / bc2) < eps  <=>  v < eps^2 * bc2  (no sqrt over the whole state)
+        below.append((v < eps * eps * bias_correction2).sum())
+        count += v.numel()
     if not count:
         return {}
     totals = torch.stack([torch.stack(sum_v).sum(), torch.stack(below).sum().to(sum_v[0].dtype),
