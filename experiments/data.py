@@ -20,7 +20,7 @@ import hashlib
 import logging
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -216,6 +216,14 @@ class Batches:
     eval: TokenizedSplit
     batch_size: int
     seed: int
+    _epoch_order: tuple[int, torch.Tensor] | None = field(default=None, repr=False)  # the latest epoch's
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The epoch's order, seeded by (seed, epoch); built once per epoch, not once per step."""
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch_order = (epoch, torch.randperm(len(self.train), generator=gen))
+        return self._epoch_order[1]
 
     def indices(self, step: int) -> torch.Tensor:
         """Sequence indices of the step's global batch: epoch-wise permutations seeded by (seed, epoch)."""
@@ -224,8 +232,7 @@ class Batches:
         out, position = [], first
         while position < first + self.batch_size:
             epoch, offset = divmod(position, n)
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            perm = torch.randperm(n, generator=gen)
+            perm = self.permutation(epoch)
             take = min(n - offset, first + self.batch_size - position)
             out.append(perm[offset : offset + take])
             position += take
