@@ -45,10 +45,6 @@ class Ranks:
     strategy: str = "ddp"
 
     @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
     def sharded(self) -> bool:
         """Parameters, gradients and optimizer state are shards: norms need a sum over ranks."""
         return self.real and self.strategy == "fsdp2"
