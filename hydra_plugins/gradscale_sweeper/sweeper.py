@@ -46,9 +46,13 @@ class GradscaleSweeper(BasicSweeper):
             returns = super().sweep(arguments)
         except Exception:  # a failed job: the basic launcher ran every job of the batch first
             returns = None
+        if os.environ.get("RANK", "0") != "0":
+            # other torchrun ranks judge by their own jobs: rank 0 may still be writing the last summary
+            if returns is None:
+                raise SweepFailed("error: a job of this sweep failed on this rank; see its run.rankN.log")
+            return returns
         rows = sweep_runs(sweep_dir)
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for all
-            print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}", flush=True)
+        print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}", flush=True)
         failed = [r for r in rows if r["status"] not in ("completed", "diverged")]
         if returns is None or failed:
             raise SweepFailed(f"error: {len(failed)} of {len(rows)} runs did not complete; see {sweep_dir}/*/run.log")
