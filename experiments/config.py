@@ -52,6 +52,37 @@ class AdamWConfig(OptimizerConfig):
 
 
 @dataclass
+class AdamAtan2Config(OptimizerConfig):
+    """Adam-atan2 (Everett et al. 2024): atan2 replaces the division by sqrt(v_hat) + eps; no eps."""
+
+    name: str = "adam_atan2"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    a: float = 4 / math.pi  # update = a * atan2(m_hat, b * sqrt(v_hat))
+    b: float = 1.0
+
+
+@dataclass
+class LionConfig(OptimizerConfig):
+    """Lion (Chen et al. 2023): the sign of an interpolated momentum; no eps."""
+
+    name: str = "lion"
+    lr: float = 3e-4  # sign updates have RMS 1: the paper's advice is 3-10x below AdamW's lr
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+
+
+@dataclass
+class FinetuneConfig:
+    """full: every weight trains. lora: frozen base, low-rank adapters (peft) on `target_modules`."""
+
+    name: str = MISSING  # full | lora
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+
+@dataclass
 class ModelConfig:
     """Llama 3.2 architecture. With `path` set, the checkpoint's own config.json wins."""
 
@@ -117,6 +148,7 @@ class Config:
     optimizer: Any = MISSING
     model: Any = MISSING
     data: Any = MISSING
+    finetune: FinetuneConfig = MISSING
     normalization: NormalizationConfig = MISSING
     dist: DistConfig = field(default_factory=DistConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -148,6 +180,9 @@ def register_configs() -> None:
     # schemas live apart from the user's choices, so `optimizer=...` lists only real options
     cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
     cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
+    cs.store(group="schema/optimizer", name="adam_atan2", node=AdamAtan2Config)
+    cs.store(group="schema/optimizer", name="lion", node=LionConfig)
+    cs.store(group="schema/finetune", name="finetune", node=FinetuneConfig)
     cs.store(group="schema/model", name="llama", node=ModelConfig)
     cs.store(group="schema/data", name="data", node=DataConfig)
     cs.store(group="schema/normalization", name="normalization", node=NormalizationConfig)
@@ -156,7 +191,9 @@ def register_configs() -> None:
 # ---------------------------------------------------------------------------------------------
 # Range checks
 
-OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZERS = ("sgd", "adamw", "adam_atan2", "lion")
+FINETUNES = ("full", "lora")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DATASETS = ("pydoc", "jsonl", "hf")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -250,7 +287,7 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
         _check(
             not opt.nesterov or opt.momentum > 0, "optimizer.nesterov", opt.nesterov, "needs momentum > 0"
         )
-    if opt.name == "adamw":
+    if opt.name in ("adamw", "adam_atan2", "lion"):
         betas = list(opt.betas)
         _check(
             len(betas) == 2 and all(0 <= b < 1 for b in betas),
@@ -258,8 +295,22 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
             betas,
             "two numbers in [0, 1)",
         )
+    if opt.name == "adamw":
         # eps = 0 is 0/0 on coordinates that never get a gradient (unused embedding rows)
         _finite_positive("optimizer.eps", opt.eps)
+    if opt.name == "adam_atan2":
+        _finite_positive("optimizer.a", opt.a)
+        _finite_positive("optimizer.b", opt.b)
+
+    finetune = cfg.finetune
+    _check(finetune.name in FINETUNES, "finetune.name", finetune.name, f"one of {', '.join(FINETUNES)}")
+    if finetune.name == "lora":
+        _int_at_least("finetune.rank", finetune.rank, 1)
+        _finite_positive("finetune.alpha", finetune.alpha)
+        _check(0 <= finetune.dropout < 1, "finetune.dropout", finetune.dropout, "must be in [0, 1)")
+        targets = list(finetune.target_modules)
+        _check(bool(targets) and set(targets) <= set(LORA_TARGETS), "finetune.target_modules", targets,
+               f"a non-empty list of {', '.join(LORA_TARGETS)}")
 
     model = cfg.model
     if model.path:

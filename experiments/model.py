@@ -56,6 +56,22 @@ def build_model(model_cfg, seed: int, device: torch.device) -> torch.nn.Module:
     return model.to(device=device, dtype=torch.float32)
 
 
+def apply_finetune(model: torch.nn.Module, finetune_cfg) -> torch.nn.Module:
+    """full: the model as it is. lora: the base frozen, peft LoRA adapters on the target modules
+    (A random from the seeded RNG, B zero: the adapted model starts equal to the base)."""
+    if finetune_cfg.name == "full":
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=finetune_cfg.rank, lora_alpha=finetune_cfg.alpha, lora_dropout=finetune_cfg.dropout,
+                      target_modules=list(finetune_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("LoRA rank %d on %s: %.2fM trainable parameters", finetune_cfg.rank,
+             ",".join(finetune_cfg.target_modules), trainable / 1e6)
+    return model
+
+
 def load_checkpoint(path: str) -> torch.nn.Module:
     """Weights from a local directory (config.validate has checked the files are there); no network."""
     from transformers import AutoModelForCausalLM

@@ -5,6 +5,8 @@ Each constructor takes the optimizer's own config section and the parameters to 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from experiments.parallel import Ranks, local
@@ -24,9 +26,92 @@ def build_adamw(cfg, params) -> torch.optim.Optimizer:
     )
 
 
+class AdamAtan2(torch.optim.Optimizer):
+    """Adam-atan2 (Everett et al. 2024, arXiv 2407.05872), decoupled weight decay:
+
+        m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g^2;  m_hat, v_hat bias-corrected
+        theta = theta*(1 - lr*wd) - lr * a * atan2(m_hat, b * sqrt(v_hat))
+
+    atan2(c*x, c*y) == atan2(x, y): no eps, so the update is invariant to the gradient's scale until
+    g^2 under- or overflows (DESIGN.md, physics 7). atan2(0, 0) = 0 on coordinates never given a gradient.
+    """
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), a: float = 4 / math.pi, b: float = 1.0,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), a=a, b=b, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            m, v, step = self._state(params)
+            grads = [p.grad for p in params]
+            torch._foreach_lerp_(m, grads, 1 - beta1)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
+            bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+            m_hat = torch._foreach_div(m, bias1)
+            denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
+            torch._foreach_mul_(denom, group["b"])
+            update = [torch.atan2(x, y) for x, y in zip(m_hat, denom)]  # no foreach atan2 in torch
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, update, alpha=-group["lr"] * group["a"])
+
+    def _state(self, params):
+        """(exp_avg list, exp_avg_sq list, step after this update), stepping every parameter's count."""
+        m, v = [], []
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] += 1
+            m.append(state["exp_avg"])
+            v.append(state["exp_avg_sq"])
+        return m, v, self.state[params[0]]["step"]
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, arXiv 2302.06675), decoupled weight decay:
+
+        theta = theta*(1 - lr*wd) - lr * sign(b1*m + (1-b1)*g);  then  m = b2*m + (1-b2)*g
+
+    The sign makes every update +-lr whatever the gradient's scale (until g underflows to 0).
+    """
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            m = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in params]
+            grads = [p.grad for p in params]
+            direction = torch._foreach_sign(torch._foreach_lerp(m, grads, 1 - beta1))
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, direction, alpha=-group["lr"])
+            torch._foreach_lerp_(m, grads, 1 - beta2)
+
+
+def build_adam_atan2(cfg, params) -> torch.optim.Optimizer:
+    return AdamAtan2(params, lr=cfg.lr, betas=cfg.betas, a=cfg.a, b=cfg.b, weight_decay=cfg.weight_decay)
+
+
+def build_lion(cfg, params) -> torch.optim.Optimizer:
+    return Lion(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
 OPTIMIZERS = {
     "sgd": build_sgd,
     "adamw": build_adamw,
+    "adam_atan2": build_adam_atan2,
+    "lion": build_lion,
 }
 
 

@@ -96,7 +96,8 @@ def wrap(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
         return DistributedDataParallel(model, device_ids=device_ids)
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft LoRA wrapper
+    for layer in base.model.layers:
         fully_shard(layer)
     fully_shard(model)
     return model

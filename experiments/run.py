@@ -59,15 +59,17 @@ def run(cfg: Config, run_log, overrides: list[str]) -> dict[str, Any]:
     else:
         tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
     batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
-    net = parallel.wrap(model.build_model(cfg.model, cfg.seed, device), ranks)
+    net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, device), cfg.finetune)
+    net = parallel.wrap(net, ranks)
     optimizer = optim.build_optimizer(cfg.optimizer, [p for p in net.parameters() if p.requires_grad])
     pipeline = GradPipeline(ranks.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm, cfg.normalization.name,
                             cfg.grad_accum)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
-    log.info("%s lr=%g scale=%g normalization=%s world_size=%d (%s) -> c_eff=%g on %s",
-             cfg.optimizer.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe_in_effect, ranks.world_size,
-             f"{cfg.dist.strategy} ranks" if ranks.real else "emulated", pipeline.effective_scale, device)
+    log.info("%s (%s) lr=%g scale=%g normalization=%s world_size=%d (%s) -> c_eff=%g on %s",
+             cfg.optimizer.name, cfg.finetune.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe_in_effect,
+             ranks.world_size, f"{cfg.dist.strategy} ranks" if ranks.real else "emulated", pipeline.effective_scale,
+             device)
     result = train(
         net, optimizer, batches, pipeline, run_log, ranks,
         steps=cfg.steps, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
@@ -119,8 +121,8 @@ def main(cfg: DictConfig) -> str:
     group = run_cfg.wandb.group or (Path(hydra_cfg.sweep.dir).name if multirun else None)
     summary: dict[str, Any] = {
         "status": "failed", "overrides": overrides, "optimizer": run_cfg.optimizer.name,
-        "lr": run_cfg.optimizer.lr, "scale": run_cfg.scale, "fix": run_cfg.fix, "world_size": run_cfg.world_size,
-        "seed": run_cfg.seed, "versions": versions(), "git_commit": git_commit(),
+        "finetune": run_cfg.finetune.name, "lr": run_cfg.optimizer.lr, "scale": run_cfg.scale, "fix": run_cfg.fix,
+        "world_size": run_cfg.world_size, "seed": run_cfg.seed, "versions": versions(), "git_commit": git_commit(),
     }
     started = time.perf_counter()
     run_log = None

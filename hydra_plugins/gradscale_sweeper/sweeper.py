@@ -1,9 +1,11 @@
-"""Hydra's basic sweeper with three additions for gradscale sweeps:
+"""Hydra's basic sweeper with four additions for gradscale sweeps:
 
-1. every job's config is composed and range-checked before the first job starts, so a bad value
+1. `hydra.sweeper.include`: jobs beyond the grid, each a list of overrides on top of the sweep's fixed
+   (not swept) overrides, e.g. a control run at another lr (conf/experiment/world_size_fix.yaml);
+2. every job's config is composed and range-checked before the first job starts, so a bad value
    anywhere in the sweep costs nothing;
-2. a job that fails is recorded (its summary.json says failed) and the other jobs still run;
-3. the sweep ends with a table of its runs, and exits non-zero if any failed.
+3. a job that fails is recorded (its summary.json says failed) and the other jobs still run;
+4. the sweep ends with a table of its runs, and exits non-zero if any failed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
 
 from experiments.config import ConfigError, validate
@@ -28,6 +31,22 @@ class SweepFailed(CompactHydraException):
 
 
 class GradscaleSweeper(BasicSweeper):
+    def __init__(self, max_batch_size: int | None = None, params: dict[str, str] | None = None,
+                 include: list[list[str]] | None = None) -> None:
+        super().__init__(max_batch_size, params)
+        self.include = [[str(o) for o in job] for job in include or []]
+
+    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
+        """The grid (as the basic sweeper builds it), then one job per `include` entry."""
+        grid = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+        fixed = [f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in overrides
+                 if not o.is_sweep_override()]
+        for entry in self.include:
+            keys = {_key(o) for o in entry}
+            grid.append([o for o in fixed if _key(o) not in keys] + entry)
+        size = max_batch_size or len(grid)
+        return [grid[i:i + size] for i in range(0, len(grid), size)]
+
     def sweep(self, arguments: list[str]) -> Any:
         assert self.hydra_context is not None and self.config is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
@@ -57,3 +76,7 @@ class GradscaleSweeper(BasicSweeper):
         if returns is None or failed:
             raise SweepFailed(f"error: {len(failed)} of {len(rows)} runs did not complete; see {sweep_dir}/*/run.log")
         return returns
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
