@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
@@ -18,8 +19,9 @@ from experiments.sweep import job_dirs
 
 log = logging.getLogger(__name__)
 
-RUN_COLUMNS = ("run", "optimizer", "lr", "eps", "scale", "fix", "world_size", "clip", "precision", "normalization",
-               "seed", "steps", "status", "final_loss", "best_eval_loss", "diverged_at_step", "steps_done", "path")
+RUN_COLUMNS = ("run", "optimizer", "finetune", "lr", "eps", "weight_decay", "scale", "fix", "world_size", "clip",
+               "precision", "normalization", "seed", "steps", "status", "final_loss", "best_eval_loss",
+               "diverged_at_step", "steps_done", "clipped_steps", "path")
 
 
 def run_dirs(paths: list[str | Path]) -> list[Path]:
@@ -62,8 +64,10 @@ def _run_row(run_dir: Path, name: str) -> dict:
     return {
         "run": name,
         "optimizer": opt.name,
+        "finetune": OmegaConf.select(cfg, "finetune.name", default="full"),
         "lr": float(opt.lr),
         "eps": float(opt.eps) if "eps" in opt else float("nan"),
+        "weight_decay": float(opt.weight_decay),
         "scale": float(cfg.scale),
         "fix": bool(cfg.fix),
         "world_size": int(summary.get("world_size", cfg.world_size)),
@@ -77,6 +81,7 @@ def _run_row(run_dir: Path, name: str) -> dict:
         "best_eval_loss": summary.get("best_eval_loss"),
         "diverged_at_step": summary.get("diverged_at_step"),
         "steps_done": summary.get("steps_done"),
+        "clipped_steps": summary.get("clipped_steps"),
         "path": str(run_dir),
     }
 
@@ -100,7 +105,29 @@ def load(paths: list[str | Path] | str | Path) -> tuple[pd.DataFrame, pd.DataFra
         effective_multiplier(r.scale, r.fix and r.normalization != "global_tokens_no_world_fix", r.world_size)
         for r in runs.itertuples()
     ]
+    runs["setup"] = setup_labels(runs)
     return runs, pd.DataFrame(curves, columns=["run", "step", "metric", "value"])
+
+
+# Settings that make a run a different setup of its optimizer (a panel or a line of its own in the figures).
+SETUP_KEYS = ("finetune", "eps", "clip", "precision")
+
+
+def setup_labels(runs: pd.DataFrame) -> pd.Series:
+    """The optimizer's name, plus each of SETUP_KEYS that takes several values among that optimizer's runs,
+    e.g. "adamw eps=1e-15" or "sgd finetune=lora clip=1"."""
+    labels = runs.optimizer.astype(str).copy()
+    for _, group in runs.groupby("optimizer", sort=False):
+        for key in SETUP_KEYS:
+            if group[key].astype(str).nunique() > 1:
+                labels[group.index] += " " + key + "=" + group[key].map(_short)
+    return labels
+
+
+def _short(value) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "off"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def curve(curves: pd.DataFrame, run: str, metric: str) -> pd.Series:
@@ -110,7 +137,8 @@ def curve(curves: pd.DataFrame, run: str, metric: str) -> pd.Series:
 
 
 # Columns that make two runs "the same experiment" apart from the studied factor.
-PAIRING_KEYS = ("optimizer", "lr", "eps", "world_size", "clip", "precision", "normalization", "seed", "steps")
+PAIRING_KEYS = ("optimizer", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
+                "normalization", "seed", "steps")
 
 
 def pair_references(runs: pd.DataFrame) -> pd.Series:
@@ -122,6 +150,29 @@ def pair_references(runs: pd.DataFrame) -> pd.Series:
     found = [lookup.get(tuple(_key(r[k]) for k in keys)) for _, r in runs.assign(
         normalization=runs.normalization.replace("global_tokens_no_world_fix", "global_tokens")).iterrows()]
     return pd.Series(found, index=runs.index, dtype=object)  # object: None stays None
+
+
+def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
+    """Pairs that the theory says train identically (DESIGN.md physics 2-3), with c_eff != 1 on one side:
+    SGD(lr, c) == SGD(lr*c, 1) without weight decay, AdamW(c, eps) == AdamW(1, eps/c); neither with
+    clipping. Columns: run, equivalent (the c_eff = 1 run), rule."""
+    keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]
+    unit = runs[np.isclose(runs.c_eff, 1.0)]
+    rows = []
+    for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna() & (runs.weight_decay == 0)].itertuples():
+        if r.optimizer == "sgd":
+            match, rule = np.isclose(unit.lr, r.lr * r.c_eff, rtol=1e-6, atol=0) & (unit.eps.isna()), \
+                f"SGD(lr={r.lr:g}, c={r.c_eff:g}) == SGD(lr={r.lr * r.c_eff:g}, c=1)"
+        elif r.optimizer == "adamw":
+            match, rule = np.isclose(unit.eps, r.eps / r.c_eff, rtol=1e-6, atol=0) & (unit.lr == r.lr), \
+                f"AdamW(c={r.c_eff:g}, eps={r.eps:g}) == AdamW(c=1, eps={r.eps / r.c_eff:g})"
+        else:
+            continue
+        mine = {k: _key(getattr(r, k)) for k in keys}
+        same = np.logical_and.reduce([[_key(v) == mine[k] for v in unit[k]] for k in keys])
+        for equivalent in unit[match & same].run:
+            rows.append({"run": r.run, "equivalent": equivalent, "rule": rule})
+    return pd.DataFrame(rows, columns=["run", "equivalent", "rule"])
 
 
 def _key(value):

@@ -7,6 +7,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from analysis.load import curve, pair_references
+from analysis.theory import clipped_share as predicted_clipped_share
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
 # notebook shows each returned figure exactly once.
@@ -16,22 +17,32 @@ def _label(r) -> str:
     return f"scale={r.scale:g} fix={'on' if r.fix else 'off'} (c_eff={r.c_eff:g})"
 
 
-def _per_optimizer(runs: pd.DataFrame, title: str, height: float = 3.6):
-    optimizers = list(dict.fromkeys(runs.optimizer))
-    fig = Figure(figsize=(5.2 * len(optimizers), height))
-    axes = fig.subplots(1, len(optimizers), squeeze=False)
+def _panels(keys, title: str, height: float = 3.6, sharey: bool = False):
+    """One axes per distinct key (setup or optimizer), four to a row."""
+    keys = list(dict.fromkeys(keys))
+    cols = min(len(keys), 4)
+    rows = -(-len(keys) // cols)
+    fig = Figure(figsize=(5.2 * cols, height * rows))
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=sharey).flatten()
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
     fig.suptitle(title)
-    return fig, dict(zip(optimizers, axes[0]))
+    return fig, dict(zip(keys, axes))
+
+
+def _per_setup(runs: pd.DataFrame, title: str, height: float = 3.6):
+    """A panel per setup: the optimizer and whichever of finetune, eps, clip, precision vary (analysis.load)."""
+    return _panels(runs.setup, title, height)
 
 
 def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train/loss"):
     """Training loss per optimizer, one line per scale/fix (and lr when the sweep has several)."""
-    fig, axes = _per_optimizer(runs, f"{metric} by optimizer")
-    several_lrs = runs.groupby("optimizer").lr.nunique().max() > 1
+    fig, axes = _per_setup(runs, f"{metric} by optimizer")
+    several_lrs = runs.groupby("setup").lr.nunique().max() > 1
     for r in runs.itertuples():
         series = curve(curves, r.run, metric)
         label = _label(r) + (f" lr={r.lr:g}" if several_lrs else "")
-        axes[r.optimizer].plot(series.index, series.to_numpy(), label=label, lw=1.2)
+        axes[r.setup].plot(series.index, series.to_numpy(), label=label, lw=1.2)
     for name, ax in axes.items():
         ax.set(title=name, xlabel="step", ylabel=metric)
         ax.legend(fontsize=7)
@@ -47,11 +58,13 @@ def _paired(runs: pd.DataFrame):
 
 def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
     """|loss(run) - loss(reference)| vs step, log y; reference = same run at scale 1 with the fix on."""
-    fig, axes = _per_optimizer(runs, "|loss - loss(reference: scale 1, fix on)|")
+    fig, axes = _per_setup(runs, "|loss - loss(reference: scale 1, fix on)|")
+    several_lrs = runs.groupby("setup").lr.nunique().max() > 1
     for r, ref in _paired(runs):
         delta = (curve(curves, r.run, "train/loss") - curve(curves, ref, "train/loss")).abs()
         # exact zeros cannot sit on a log axis: show them at the float32 resolution of the loss
-        axes[r.optimizer].plot(delta.index, delta.clip(lower=1e-7).to_numpy(), label=_label(r), lw=1.2)
+        label = _label(r) + (f" lr={r.lr:g}" if several_lrs else "")
+        axes[r.setup].plot(delta.index, delta.clip(lower=1e-7).to_numpy(), label=label, lw=1.2)
     for name, ax in axes.items():
         ax.set(title=name, xlabel="step", ylabel="|Δ loss|", yscale="log")
         ax.legend(fontsize=7)
@@ -61,11 +74,11 @@ def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
 
 def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
     """grad_norm(run) / grad_norm(reference) vs step: flat at exactly c_eff until the trajectories part."""
-    fig, axes = _per_optimizer(runs, "grad norm / grad norm(reference)")
+    fig, axes = _per_setup(runs, "grad norm / grad norm(reference)")
     for r, ref in _paired(runs):
         ratio = curve(curves, r.run, "train/grad_norm") / curve(curves, ref, "train/grad_norm")
-        line, = axes[r.optimizer].plot(ratio.index, ratio.to_numpy(), label=_label(r), lw=1.2)
-        axes[r.optimizer].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8)
+        line, = axes[r.setup].plot(ratio.index, ratio.to_numpy(), label=_label(r), lw=1.2)
+        axes[r.setup].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8)
     for name, ax in axes.items():
         ax.set(title=name, xlabel="step", ylabel="ratio (dotted: c_eff)", yscale="log")
         ax.legend(fontsize=7)
@@ -87,20 +100,70 @@ def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
 
 
 def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None):
-    """Max |Δ loss| vs c_eff (log x) per optimizer; shaded: where the theory predicts AdamW stops
-    being invariant (bands: optimizer -> (c_start, c_all) from measured sqrt(v_hat) quantiles)."""
+    """Max |Δ loss| vs c_eff (log x), a line per setup (and lr); shaded in the line's colour: where the
+    theory predicts that setup stops being invariant (bands: setup -> (c_start, c_end), e.g. eps/s from
+    measured sqrt(v_hat) quantiles, or the clipping band). One panel per optimizer when an optimizer has
+    several setups, else one panel for all."""
+    deltas = max_divergence(runs, curves)
+    table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
+    one_panel = table.groupby("optimizer").setup.nunique().max() <= 1 if len(table) else True
+    title = "Where scale invariance breaks down"
+    fig, axes = (_panels(["all"], title, 4.2) if one_panel else _panels(table.optimizer, title, 4.2, sharey=True))
+    several_lrs = table.groupby("setup").lr.nunique().max() > 1 if len(table) else False
+    colors = {}
+    for (setup, lr), group in table.groupby(["setup", "lr"], sort=False):
+        group = group.sort_values("c_eff")
+        ax = axes["all" if one_panel else group.optimizer.iloc[0]]
+        label = setup + (f" lr={lr:g}" if several_lrs else "")
+        line, = ax.plot(group.c_eff, group.delta.clip(lower=1e-7), "o-", label=label)
+        colors.setdefault(setup, (ax, line.get_color()))
+    for setup, (low, high) in (bands or {}).items():
+        if setup in colors:
+            ax, color = colors[setup]
+            ax.axvspan(min(low, high), max(low, high), alpha=0.12, color=color, label=f"{setup}: predicted band")
+    for name, ax in axes.items():
+        ax.set(title="" if one_panel else name, xscale="log", yscale="log",
+               xlabel="c_eff (effective gradient multiplier)", ylabel="max |Δ loss| vs reference")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def eps_collapse(runs: pd.DataFrame, curves: pd.DataFrame):
+    """Max |Δ loss| vs c_eff / eps, one line per eps: AdamW(c, eps) == AdamW(1, eps/c) says the lines fall
+    on one curve (DESIGN.md physics 3)."""
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
     deltas = max_divergence(runs, curves)
-    table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
-    for optimizer, group in table.groupby("optimizer", sort=False):
+    table = runs[runs.eps.notna()].assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
+    for (optimizer, eps), group in table.groupby(["optimizer", "eps"]):
         group = group.sort_values("c_eff")
-        ax.plot(group.c_eff, group.delta.clip(lower=1e-7), "o-", label=optimizer)
-    for optimizer, (c_start, c_all) in (bands or {}).items():
-        ax.axvspan(min(c_start, c_all), max(c_start, c_all), alpha=0.15,
-                   label=f"{optimizer}: predicted breakdown (eps/s, s = q90..q10 of sqrt(v_hat), all steps)")
-    ax.set(xscale="log", yscale="log", xlabel="c_eff (effective gradient multiplier)",
-           ylabel="max |Δ loss| vs reference", title="Where scale invariance breaks down")
+        ax.plot(group.c_eff / eps, group.delta.clip(lower=1e-7), "o-", label=f"{optimizer} eps={eps:g}")
+    ax.set(xscale="log", yscale="log", xlabel="c_eff / eps", ylabel="max |Δ loss| vs reference (c = 1, same eps)",
+           title="AdamW trades c for eps: one curve in c / eps")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
+    """Share of steps clipped vs c_eff, per clipped setup: measured (dots) and predicted from the reference
+    run's grad norms at c = 1 (line: share of its logged steps with c * ||g|| > max_norm)."""
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    references = pair_references(runs)
+    clipped = runs[runs["clip"].notna() & runs.clipped_steps.notna()]
+    for setup, group in clipped.groupby("setup", sort=False):
+        group = group.sort_values("c_eff")
+        line, = ax.plot(group.c_eff, group.clipped_steps / group.steps_done, "o", label=f"{setup}: measured")
+        reference = references[group.index[0]]
+        if reference is not None:
+            norms = curve(curves, reference, "train/grad_norm").to_numpy()
+            grid = np.logspace(np.log10(group.c_eff.min()), np.log10(group.c_eff.max()), 200)
+            predicted = [predicted_clipped_share(c, norms, float(group["clip"].iloc[0])) for c in grid]
+            ax.plot(grid, predicted, "-", color=line.get_color(), lw=1, label=f"{setup}: predicted")
+    ax.set(xscale="log", xlabel="c_eff", ylabel="share of steps clipped", ylim=(-0.03, 1.03),
+           title="Clipping: which steps are clipped at each c")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -108,14 +171,14 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
 
 def final_loss_heatmap(runs: pd.DataFrame):
     """Final loss over (lr, c_eff) per optimizer: SGD's contours run diagonal, AdamW's vertical."""
-    fig, axes = _per_optimizer(runs, "final loss over (lr, c_eff)", height=4.0)
-    for optimizer, ax in axes.items():
-        grid = runs[runs.optimizer == optimizer].pivot_table(index="lr", columns="c_eff", values="final_loss",
+    fig, axes = _per_setup(runs, "final loss over (lr, c_eff)", height=4.0)
+    for setup, ax in axes.items():
+        grid = runs[runs.setup == setup].pivot_table(index="lr", columns="c_eff", values="final_loss",
                                                             aggfunc="mean")
         image = ax.imshow(grid.to_numpy(dtype=float), origin="lower", aspect="auto", cmap="viridis")
         ax.set_xticks(range(grid.shape[1]), [f"{c:g}" for c in grid.columns], rotation=45)
         ax.set_yticks(range(grid.shape[0]), [f"{lr:g}" for lr in grid.index])
-        ax.set(title=optimizer, xlabel="c_eff", ylabel="lr")
+        ax.set(title=setup, xlabel="c_eff", ylabel="lr")
         fig.colorbar(image, ax=ax, label="final loss (blank: diverged)")
     fig.tight_layout()
     return fig
@@ -129,7 +192,7 @@ def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
         frac = curve(curves, r.run, "adam/eps_dominated_frac")
         if frac.empty:
             continue
-        label = f"{r.optimizer} " + _label(r)
+        label = f"{r.setup} " + _label(r)
         frac_ax.plot(frac.index, frac.to_numpy(), label=label, lw=1.2)
         rms = curve(curves, r.run, "train/update_rms")
         rms_ax.plot(rms.index, rms.to_numpy(), label=label, lw=1.2)
@@ -146,10 +209,10 @@ def lr_axis(runs: pd.DataFrame):
     ax = fig.subplots()
     finite = runs.final_loss.astype(float)
     top = np.nanmax(finite.where(np.isfinite(finite))) if np.isfinite(finite).any() else 1.0
-    for (optimizer, c_eff), group in runs.groupby(["optimizer", "c_eff"], sort=False):
+    for (setup, c_eff), group in runs.groupby(["setup", "c_eff"], sort=False):
         group = group.sort_values("lr")
         ok = group[group.status == "completed"]
-        line, = ax.plot(ok.lr, ok.final_loss, "o-", label=f"{optimizer} c_eff={c_eff:g}")
+        line, = ax.plot(ok.lr, ok.final_loss, "o-", label=f"{setup} c_eff={c_eff:g}")
         bad = group[group.status == "diverged"]
         ax.plot(bad.lr, [top * 1.05] * len(bad), "x", color=line.get_color(), ms=9)
     ax.set(xscale="log", xlabel="learning rate", ylabel="final loss", title="final loss vs lr (x: diverged)")

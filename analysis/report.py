@@ -1,7 +1,7 @@
 """`python -m analysis.report SWEEP_DIR [SWEEP_DIR ...] [--out DIR] [--wandb]`
 
 Writes every standard figure that applies to the sweep (PNG, 200 dpi) and report.md: the runs table and,
-per optimizer and scale, final loss, max |Δ loss| vs the reference run, grad-norm ratio at step 0 and
+per setup and scale, final loss, max |Δ loss| vs the reference run, grad-norm ratio at step 0 and
 status. Figures that do not apply are skipped with a one-line reason.
 """
 
@@ -18,28 +18,39 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
-from analysis.load import curve, load, pair_references, read_jsonl
-from analysis.theory import breakdown_band
+from analysis.load import curve, equivalent_references, load, pair_references, read_jsonl
+from analysis.theory import breakdown_band, clipping_band, crossing
 
 log = logging.getLogger(__name__)
 DPI = 200
 
 
-def measured_bands(runs: pd.DataFrame) -> dict[str, tuple[float, float]]:
-    """Per Adam-type optimizer, (c_start, c_all) from the reference run's sqrt(v_hat) quantiles: at each
-    recorded step, the numel-weighted medians over tensors of each tensor's q10 and q90 give a band; the
-    result spans them all (early in training s is smaller, so the breakdown starts at larger c)."""
+def measured_bands(runs: pd.DataFrame, curves: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Per setup, the band of c_eff where the theory predicts the breakdown, from its reference run.
+
+    Adam-type setups (eps): (eps/s_q10, eps/s_q90) from the reference's sqrt(v_hat) quantiles: at each
+    recorded step the numel-weighted medians over tensors of each tensor's q10 and q90 give a band; the
+    result spans them all (early in training s is smaller, so the breakdown starts at larger c).
+    Clipped setups: theory.clipping_band of the reference's logged grad norms (the two bands are drawn
+    apart: a clipped Adam setup gets the clipping band, which sits decades higher)."""
     bands = {}
-    references = runs[(runs.scale == 1.0) & runs.fix & runs.eps.notna()]
+    references = runs[(runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens")]
     for r in references.itertuples():
-        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
-        if stats.empty or r.optimizer in bands:
+        if r.setup in bands:
+            continue
+        if r.clip is not None and not pd.isna(r.clip):
+            norms = curve(curves, r.run, "train/grad_norm").to_numpy()
+            if len(norms):
+                bands[r.setup] = clipping_band(norms, float(r.clip))
+            continue
+        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl")) if not pd.isna(r.eps) else pd.DataFrame()
+        if stats.empty:
             continue
         per_step = [
             breakdown_band({q: _weighted_median(g[q].to_numpy(), g.numel.to_numpy()) for q in ("q10", "q90")}, r.eps)
             for _, g in stats.groupby("step")
         ]
-        bands[r.optimizer] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
+        bands[r.setup] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
     return bands
 
 
@@ -59,10 +70,45 @@ def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
             mine, ref = curve(curves, r.run, "train/grad_norm"), curve(curves, references[i], "train/grad_norm")
             if len(mine) and len(ref):
                 ratio = float(mine.iloc[0] / ref.iloc[0])
-        rows.append({"optimizer": r.optimizer, "lr": r.lr, "scale": r.scale, "fix": r.fix, "c_eff": r.c_eff,
+        clipped = r.clipped_steps / r.steps_done if r.clip is not None and r.steps_done else math.nan
+        rows.append({"setup": r.setup, "lr": r.lr, "scale": r.scale, "fix": r.fix, "c_eff": r.c_eff,
                      "status": r.status, "final loss": r.final_loss, "max abs Δloss vs ref": deltas[r.run],
-                     "grad-norm ratio @ step 0": ratio, "reference": references[i]})
+                     "grad-norm ratio @ step 0": ratio, "clipped share": clipped, "reference": references[i]})
+    table = pd.DataFrame(rows)
+    return table.drop(columns="clipped share") if table["clipped share"].isna().all() else table
+
+
+def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """Per setup and lr with a reference: where the measured deviation passes 1% of the reference's final
+    loss, below and above c = 1 (log-log interpolation on the grid), next to the predicted band."""
+    deltas = plots.max_divergence(runs, curves)
+    bands = measured_bands(runs, curves)
+    references = pair_references(runs)
+    rows = []
+    for (setup, lr), group in runs.assign(reference=references).dropna(subset=["reference"]).groupby(
+            ["setup", "lr"], sort=False):
+        reference_loss = runs.set_index("run").final_loss.get(group.reference.iloc[0])
+        if reference_loss is None or pd.isna(reference_loss) or group.c_eff.nunique() < 2:
+            continue
+        threshold = 0.01 * abs(reference_loss)
+        c, d = group.c_eff.to_numpy(), group.run.map(deltas).fillna(np.inf).to_numpy()  # no curve: diverged
+        band = bands.get(setup)
+        rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,
+                     "c_1% below 1": crossing(c, d, threshold, "below"),
+                     "c_1% above 1": crossing(c, d, threshold, "above"),
+                     "predicted band": "-" if band is None else f"{min(band):.2g} .. {max(band):.2g}"})
     return pd.DataFrame(rows)
+
+
+def equivalence_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """The sweep's pairs that the theory says are identical (analysis.load.equivalent_references), with
+    the measured max |Δ loss| over the logged steps."""
+    table = equivalent_references(runs)
+    deltas = []
+    for r in table.itertuples():
+        delta = (curve(curves, r.run, "train/loss") - curve(curves, r.equivalent, "train/loss")).abs()
+        deltas.append(float(delta.max()) if len(delta.dropna()) else math.nan)
+    return table.assign(**{"max abs Δloss": deltas})
 
 
 def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callable | None, str]]:
@@ -70,18 +116,24 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
     paired = pair_references(runs)
     has_pairs = any(ref is not None and ref != run for ref, run in zip(paired, runs.run))
     adam = (curves.metric == "adam/eps_dominated_frac").any()
-    lrs_per_opt = runs.groupby("optimizer").lr.nunique().max()
-    c_per_opt = runs.groupby("optimizer").c_eff.nunique().max()
+    lrs_per_opt = runs.groupby("setup").lr.nunique().max()
+    c_per_opt = runs.groupby("setup").c_eff.nunique().max()
+    several_eps = runs[runs.eps.notna()].groupby("optimizer").eps.nunique().max() > 1
+    clipped = runs["clip"].notna().any() and runs.clipped_steps.notna().any()
     no_ref = "no run pairs with a reference (same config at scale 1, fix on)"
     return [
         ("loss_curves", lambda: plots.loss_curves(runs, curves), ""),
         ("divergence", (lambda: plots.divergence(runs, curves)) if has_pairs else None, no_ref),
         ("grad_norm_ratio", (lambda: plots.grad_norm_ratio(runs, curves)) if has_pairs else None, no_ref),
-        ("breakdown", (lambda: plots.breakdown(runs, curves, measured_bands(runs))) if has_pairs else None, no_ref),
+        ("breakdown", (lambda: plots.breakdown(runs, curves, measured_bands(runs, curves))) if has_pairs else None,
+         no_ref),
+        ("eps_collapse", (lambda: plots.eps_collapse(runs, curves)) if has_pairs and several_eps else None,
+         "needs runs at several eps for one optimizer"),
+        ("clipping", (lambda: plots.clipping(runs, curves)) if clipped else None, "no run with clipping"),
         ("final_loss_heatmap", (lambda: plots.final_loss_heatmap(runs)) if lrs_per_opt > 1 and c_per_opt > 1
-         else None, "needs at least 2 learning rates and 2 values of c_eff for one optimizer"),
+         else None, "needs at least 2 learning rates and 2 values of c_eff for one setup"),
         ("adam_state", (lambda: plots.adam_state(runs, curves)) if adam else None, "no Adam-type runs"),
-        ("lr_axis", (lambda: plots.lr_axis(runs)) if lrs_per_opt > 1 else None, "no lr axis: one lr per optimizer"),
+        ("lr_axis", (lambda: plots.lr_axis(runs)) if lrs_per_opt > 1 else None, "no lr axis: one lr per setup"),
     ]
 
 
@@ -112,13 +164,22 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         written.append(path)
         print(f"wrote {path}")
     summary = summary_table(runs, curves)
-    run_columns = ["run", "optimizer", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
+    theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
+    run_columns = ["run", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]
     lines = [
         "# gradscale report", "", f"Sweeps: {', '.join(str(p) for p in paths)}", "",
-        "## Per optimizer and scale", "",
+        "## Per setup and scale", "",
         "max abs Δloss is over logged steps, against the run identical but for scale 1 with the fix on.", "",
         _markdown(summary.drop(columns=["reference"])), "",
+        "## Breakdown against theory", "",
+        "Where max |Δ loss| passes 1% of the reference's final loss (a diverged run counts as past it), "
+        "against the predicted band: eps/s for s between the q90 and q10 of the reference's sqrt(v_hat) "
+        "(Adam), or max_norm/max ||g|| .. max_norm/min ||g|| of its grad norms (clipping).", "",
+        _markdown(theory) if len(theory) else "No setup with a reference and two values of c_eff.", "",
+        "## Equivalences the theory calls exact", "",
+        "SGD(lr, c) == SGD(lr*c, 1) and AdamW(c, eps) == AdamW(1, eps/c), for the pairs this sweep holds.", "",
+        _markdown(equivalences) if len(equivalences) else "No such pair in this sweep.", "",
         "## Figures", "", *[f"![{p.stem}]({p.name})" for p in written], "", *skipped, "",
         "## Runs", "", _markdown(runs[run_columns]), "",
     ]

@@ -46,3 +46,36 @@ def breakdown_band(sqrt_v_quantiles: dict[str, float], eps: float, low: str = "q
     quantiles. Below c_start = eps/s_low the most rarely updated tenth of coordinates is eps-dominated;
     below c_all = eps/s_high nine tenths are."""
     return float(eps / sqrt_v_quantiles[low]), float(eps / sqrt_v_quantiles[high])
+
+
+def clipped_share(c: float, grad_norms, max_norm: float) -> float:
+    """Share of steps that clipping scales at multiplier c, given the grad norms measured at c = 1."""
+    return float((c * np.asarray(grad_norms, dtype=float) > max_norm).mean())
+
+
+def clipping_band(grad_norms, max_norm: float) -> tuple[float, float]:
+    """(c_first, c_every): from c_first on the step with the largest grad norm is clipped, so runs start to
+    differ; from c_every on every step is, each gradient has norm max_norm whatever c is, and the
+    deviation plateaus (DESIGN.md physics 5)."""
+    norms = np.asarray(grad_norms, dtype=float)
+    return float(max_norm / norms.max()), float(max_norm / norms.min())
+
+
+def crossing(c_values, deviations, threshold: float, side: str = "below") -> float:
+    """The multiplier where the deviation from c = 1 first exceeds `threshold`, walking away from c = 1
+    (side "below" or "above"), interpolated in log-log (deviations grow like a power of c; linearly in log c
+    from an exact zero); NaN when it never does on the grid."""
+    c, d = np.asarray(c_values, dtype=float), np.asarray(deviations, dtype=float)
+    order = np.argsort(-c) if side == "below" else np.argsort(c)
+    keep = (c[order] <= 1.0) if side == "below" else (c[order] >= 1.0)
+    c, d = c[order][keep], d[order][keep]
+    for i in range(1, len(c)):
+        if d[i] > threshold:
+            if not np.isfinite(d[i]) or d[i - 1] > threshold:
+                return float(c[i])
+            if d[i - 1] > 0:
+                t = (np.log(threshold) - np.log(d[i - 1])) / (np.log(d[i]) - np.log(d[i - 1]))
+            else:
+                t = (threshold - d[i - 1]) / (d[i] - d[i - 1])
+            return float(np.exp(np.log(c[i - 1]) + t * (np.log(c[i]) - np.log(c[i - 1]))))
+    return float("nan")

@@ -34,6 +34,7 @@ class TrainResult:
     best_eval_loss: float | None
     diverged_at_step: int | None
     tokens_per_s: float
+    clipped_steps: int  # steps whose gradient clipping scaled down (all steps, not only logged ones)
 
 
 def train(
@@ -58,11 +59,13 @@ def train(
     n_coords = sum(p.numel() for p in params)  # FSDP2: numel of a DTensor is the full size
     names = {p: n for n, p in model.named_parameters()}
     final_loss, best_eval, window_start, window_tokens = None, None, time.perf_counter(), 0
+    clipped_steps = torch.zeros((), dtype=torch.int64, device=device)  # summed on device: no sync per step
     for step in range(steps):
         inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
         loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, grad_accum, autocast,
                                                     device)
         grad_norm, clipped = pipeline.apply(params, num_tokens, ranks)
+        clipped_steps += clipped
 
         logging_step = step % log_every == 0 or step == steps - 1
         if logging_step:  # a copy of the weights, only on logged steps, to measure the update
@@ -97,7 +100,8 @@ def train(
             final_loss = record["train/loss"]
             if not (math.isfinite(record["train/loss"]) and math.isfinite(record["train/grad_norm"])):
                 log.warning("non-finite loss or grad norm at step %d: run diverged", step)
-                return TrainResult("diverged", step + 1, final_loss, best_eval, step, tokens_per_s)
+                return TrainResult("diverged", step + 1, final_loss, best_eval, step, tokens_per_s,
+                                   int(clipped_steps))
 
         if adam_stats_every and run_log is not None and (step % adam_stats_every == 0 or step == steps - 1):
             run_log.log_adam_stats(sqrt_v_quantiles(optimizer, names, step))  # rank 0's shards under FSDP2
@@ -107,7 +111,7 @@ def train(
             best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
             log_record(run_log, {"step": step, "eval/loss": eval_loss})
             log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
-    return TrainResult("completed", steps, final_loss, best_eval, None, tokens_per_s)
+    return TrainResult("completed", steps, final_loss, best_eval, None, tokens_per_s, int(clipped_steps))
 
 
 def accumulate_gradients(model, inputs, targets, pipeline: GradPipeline, ranks: Ranks, grad_accum: int,

@@ -34,7 +34,7 @@ from analysis.load import load
 from analysis.report import measured_bands, summary_table
 
 runs, curves = load(SWEEP_DIR)
-bands = measured_bands(runs)
+bands = measured_bands(runs, curves)
 summary_table(runs, curves).drop(columns=["reference"])
 
 # %% [markdown]
