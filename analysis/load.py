@@ -119,7 +119,7 @@ def setup_labels(runs: pd.DataFrame) -> pd.Series:
     labels = runs.optimizer.astype(str).copy()
     for _, group in runs.groupby("optimizer", sort=False):
         for key in SETUP_KEYS:
-            if group[key].astype(str).nunique() > 1:
+            if group[key].map(_short).nunique() > 1:
                 labels[group.index] += " " + key + "=" + group[key].map(_short)
     return labels
 

@@ -46,11 +46,12 @@ def measured_bands(runs: pd.DataFrame, curves: pd.DataFrame) -> dict[str, tuple[
         stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl")) if not pd.isna(r.eps) else pd.DataFrame()
         if stats.empty:
             continue
-        per_step = [
-            breakdown_band({q: _weighted_median(g[q].to_numpy(), g.numel.to_numpy()) for q in ("q10", "q90")}, r.eps)
-            for _, g in stats.groupby("step")
-        ]
-        bands[r.setup] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
+        medians = [{q: _weighted_median(g[q].to_numpy(), g.numel.to_numpy()) for q in ("q10", "q90")}
+                   for _, g in stats.groupby("step")]
+        # s = 0: most coordinates have had no gradient yet (LoRA's A at step 0); no finite c* to draw
+        per_step = [breakdown_band(m, r.eps) for m in medians if min(m.values()) > 0]
+        if per_step:
+            bands[r.setup] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
     return bands
 
 

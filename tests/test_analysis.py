@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from analysis import plots, theory
-from analysis.load import load, pair_references, read_jsonl
+from analysis.load import equivalent_references, load, pair_references, read_jsonl, setup_labels
 from tests.conftest import TINY
 
 
@@ -22,12 +22,12 @@ def synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"), lrs=(1e-3,), ste
         for lr in lrs:
             for c in c_values:
                 name = f"{optimizer}-{lr:g}-{c:g}"
-                runs.append({"run": name, "optimizer": optimizer, "lr": lr,
-                             "eps": 1e-8 if optimizer == "adamw" else float("nan"), "scale": c, "fix": True,
-                             "world_size": 8, "clip": None, "precision": "fp32", "normalization": "global_tokens",
-                             "seed": 0, "steps": steps, "status": "completed", "final_loss": 5.0 + math.log2(c),
-                             "best_eval_loss": 5.0, "diverged_at_step": None, "steps_done": steps,
-                             "path": "", "c_eff": c})
+                runs.append({"run": name, "optimizer": optimizer, "finetune": "full", "lr": lr,
+                             "eps": 1e-8 if optimizer == "adamw" else float("nan"), "weight_decay": 0.0, "scale": c,
+                             "fix": True, "world_size": 8, "clip": None, "precision": "fp32",
+                             "normalization": "global_tokens", "seed": 0, "steps": steps, "status": "completed",
+                             "final_loss": 5.0 + math.log2(c), "best_eval_loss": 5.0, "diverged_at_step": None,
+                             "steps_done": steps, "clipped_steps": 0, "path": "", "c_eff": c, "setup": optimizer})
                 for step in range(steps):
                     curves += [(name, step, "train/loss", 6.0 - 0.1 * step + 0.01 * step * math.log2(c)),
                                (name, step, "train/grad_norm", c * (1 + 0.1 * step)),
@@ -86,12 +86,61 @@ def test_breakdown_heatmap_and_lr_axis():
     runs.loc[runs.run == "sgd-0.01-64", ["status", "final_loss"]] = ["diverged", float("nan")]
     fig = plots.breakdown(runs, curves, bands={"adamw": (1e-2, 1e-5)})
     ax = fig.axes[0]
-    assert ax.get_xscale() == "log" and len(ax.get_lines()) == 2 and len(ax.patches) == 1  # the shaded band
+    # a line per setup and lr; the band shaded in its setup's colour
+    assert ax.get_xscale() == "log" and len(ax.get_lines()) == 4 and len(ax.patches) == 1
     heat = plots.final_loss_heatmap(runs)
     assert len(heat.axes) == 4 and heat.axes[0].images[0].get_array().shape == (2, 3)  # 2 plots + 2 colorbars
     axis = plots.lr_axis(runs)
     diverged_marks = [line for line in axis.axes[0].get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
     assert len(diverged_marks) == 1
+
+
+def test_setups_label_what_varies_per_optimizer():
+    runs, _ = synthetic(optimizers=("sgd", "adamw"))
+    runs = pd.concat([runs, runs[runs.optimizer == "adamw"].assign(eps=1e-15, run=lambda t: t.run + "-eps15")],
+                     ignore_index=True)
+    runs.loc[runs.optimizer == "sgd", "clip"] = [None, 1.0]
+    labels = dict(zip(runs.run, setup_labels(runs)))
+    assert labels["adamw-0.001-1"] == "adamw eps=1e-08" and labels["adamw-0.001-1-eps15"] == "adamw eps=1e-15"
+    assert labels["sgd-0.001-1"] == "sgd clip=off" and labels["sgd-0.001-8"] == "sgd clip=1"
+
+
+def test_equivalent_references_follow_the_theory():
+    runs, _ = synthetic(c_values=(1.0, 8.0), lrs=(1e-3, 8e-3))
+    adamw_eps = runs[(runs.optimizer == "adamw") & (runs.c_eff == 1.0)].iloc[0].to_dict()
+    runs.loc[len(runs)] = {**adamw_eps, "run": "adamw-eps/8", "eps": 1e-8 / 8}
+    runs.loc[len(runs)] = {**adamw_eps, "run": "adamw-clipped-8", "scale": 8.0, "c_eff": 8.0, "clip": 1.0}
+    pairs = {(r.run, r.equivalent) for r in equivalent_references(runs).itertuples()}
+    assert ("sgd-0.001-8", "sgd-0.008-1") in pairs  # SGD(lr, 8) == SGD(8 lr, 1)
+    assert ("adamw-0.001-8", "adamw-eps/8") in pairs  # AdamW(8, eps) == AdamW(1, eps/8)
+    assert ("sgd-0.008-8", "sgd-0.001-1") not in pairs and not any(r == "adamw-clipped-8" for r, _ in pairs)
+
+
+def test_crossing_and_clipping_theory():
+    c = [1e-4, 1e-2, 1.0, 100.0]
+    # log-log between (1e-2, 6.5e-3) and (1e-4, 0.15): 0.05 is crossed near 5e-4
+    assert theory.crossing(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05) == pytest.approx(5.0e-4, rel=0.02)
+    assert math.isnan(theory.crossing(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05, side="above"))
+    assert theory.crossing(c, [0.0, 0.0, 0.0, float("inf")], 0.05, side="above") == 100.0  # diverged: no slope
+    norms = [0.5, 1.0, 2.0, 4.0]
+    assert theory.clipping_band(norms, 1.0) == (0.25, 2.0)
+    assert theory.clipped_share(0.3, norms, 1.0) == 0.25 and theory.clipped_share(3.0, norms, 1.0) == 1.0
+
+
+def test_eps_collapse_and_clipping_figures():
+    runs, curves = synthetic(optimizers=("adamw",), c_values=(1.0, 8.0, 64.0))
+    other = runs.assign(eps=1e-6, run=runs.run + "-eps6")
+    curves = pd.concat([curves, curves.assign(run=curves.run + "-eps6")], ignore_index=True)
+    runs = pd.concat([runs, other], ignore_index=True)
+    fig = plots.eps_collapse(runs, curves)
+    lines = fig.axes[0].get_lines()
+    assert len(lines) == 2 and np.allclose(lines[1].get_xdata(), [1 / 1e-6, 8 / 1e-6, 64 / 1e-6])
+    clipped = runs[runs.eps == 1e-8].assign(clip=1.0, clipped_steps=[0, 2, 5], setup="adamw clip=1")
+    fig = plots.clipping(clipped, curves)
+    measured, predicted = fig.axes[0].get_lines()[:2]
+    assert np.allclose(measured.get_ydata(), [0, 0.4, 1.0])
+    # the reference's norms are 1.0 .. 1.4: at c = 1 four of five steps exceed max_norm = 1, at c = 64 all do
+    assert predicted.get_ydata()[0] == pytest.approx(0.8) and predicted.get_ydata()[-1] == 1.0
 
 
 def test_torn_last_line_is_tolerated(tmp_path):
@@ -138,7 +187,7 @@ def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
                 "lr_axis"}
     assert {p.stem for p in out.glob("*.png")} == expected
     report = (out / "report.md").read_text()
-    assert "## Per optimizer and scale" in report and report.count("| adamw |") >= 4
+    assert "## Per setup and scale" in report and report.count("| adamw |") >= 4
     summary = pd.read_csv(out / "summary.csv")
     scaled = summary[(summary.scale == 8) & summary["reference"].notna()]
     assert np.allclose(scaled["grad-norm ratio @ step 0"], 8.0, rtol=1e-5)

@@ -109,12 +109,18 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(cli, tmp_path):
         ("optimizer.eps=0", "optimizer.eps=0.0"),
         ("precision=fp8", "precision='fp8'"),
         ("wandb.mode=sometimes", "wandb.mode='sometimes'"),
+        ("optimizer=adam_atan2 optimizer.a=0", "optimizer.a=0.0"),
+        ("optimizer=lion optimizer.betas=[0.9,1.5]", "optimizer.betas=[0.9, 1.5]"),
+        ("finetune=lora finetune.rank=0", "finetune.rank=0"),
+        ("finetune=lora finetune.dropout=1", "finetune.dropout=1.0"),
+        ("finetune=lora finetune.target_modules=[wq]", "finetune.target_modules=['wq']"),
     ],
 )
 def test_bad_value_is_refused_with_one_line(cli, tmp_path, override, expected):
     run_dir = tmp_path / "run"
-    args = ["data=jsonl", "data.path=/nonexistent/train.jsonl"] if override.startswith("data.path") else [override]
-    if override.startswith("data.path"):
+    data_path = override.startswith("data.path")
+    args = ["data=jsonl", "data.path=/nonexistent/train.jsonl"] if data_path else override.split()
+    if data_path:
         expected = "data.path='/nonexistent/train.jsonl'"
     proc = cli([*args, f"hydra.run.dir={run_dir}"])
     assert proc.returncode != 0
@@ -133,7 +139,8 @@ def test_bad_value_in_one_sweep_job_stops_the_sweep_before_any_job(cli, tmp_path
 
 
 @pytest.mark.parametrize(("override", "group"), [("optimizer=rmsprop", "optimizer"), ("model=gpt2", "model"),
-                                                 ("data=c4", "data")])
+                                                 ("data=c4", "data"), ("finetune=qlora", "finetune"),
+                                                 ("experiment=nope", "experiment")])
 def test_unknown_group_choice_names_the_choices(cli, tmp_path, override, group):
     proc = cli([override, f"hydra.run.dir={tmp_path / 'run'}"])
     assert proc.returncode != 0

@@ -1,4 +1,5 @@
-"""Physics 1 (DESIGN.md): the bug is a pure rescale, and the pipeline matches real per-rank averaging."""
+"""Physics 1 (DESIGN.md): the bug is a pure rescale, and the pipeline matches real per-rank averaging.
+Every test runs on the full fine-tune and on LoRA, where the pipeline sees only the adapters' gradients."""
 
 from __future__ import annotations
 
@@ -9,29 +10,35 @@ from experiments.grads import GradPipeline, count_trained_tokens, token_loss_sum
 from tests.conftest import compose
 
 
-@pytest.fixture(scope="module")
-def model_and_batch(cache_dir):
+@pytest.fixture(scope="module", params=["full", "lora"])
+def model_and_batch(cache_dir, request):
     from experiments import data, model
     from experiments.config import to_object
 
-    cfg = to_object(compose(["batch_size=16", "seq_len=64"]))
+    cfg = to_object(compose(["batch_size=16", "seq_len=64", f"finetune={request.param}"]))
     examples = data.load_examples(cfg.data)
     tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
     batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
-    net = model.build_model(cfg.model, cfg.seed, torch.device("cpu"))
+    net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, torch.device("cpu")), cfg.finetune)
+    if request.param == "lora":  # B = 0 at init leaves A without gradient: one step of B makes both non-zero
+        torch.nn.init.normal_(next(p for n, p in net.named_parameters() if "lora_B" in n), std=0.02)
     return net, batches.train_batch(0)
+
+
+def trainable(net) -> list[torch.Tensor]:
+    return [p for p in net.parameters() if p.requires_grad]
 
 
 def summed_grads(net, inputs, targets) -> list[torch.Tensor]:
     """One device: backward of the summed token loss over the whole global batch."""
     net.zero_grad(set_to_none=True)
     token_loss_sum(net(input_ids=inputs).logits, targets).backward()
-    return [p.grad for p in net.parameters()]
+    return [p.grad for p in trainable(net)]
 
 
 def pipeline_grads(net, inputs, targets, pipeline: GradPipeline) -> list[torch.Tensor]:
     summed_grads(net, inputs, targets)
-    params = list(net.parameters())
+    params = trainable(net)
     pipeline.apply(params, count_trained_tokens(targets))
     return [p.grad.clone() for p in params]
 
@@ -57,7 +64,7 @@ def test_fixed_gradient_is_the_token_mean_gradient(model_and_batch):
     net.zero_grad(set_to_none=True)
     mean_loss = torch.nn.functional.cross_entropy(net(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
     mean_loss.backward()
-    assert_grads_close(fixed, [p.grad for p in net.parameters()])
+    assert_grads_close(fixed, [p.grad for p in trainable(net)])
 
 
 @pytest.mark.parametrize("fix", [True, False])
@@ -77,7 +84,7 @@ def test_emulated_ranks_match_real_per_rank_averaging(model_and_batch, fix):
 @pytest.mark.parametrize("scale", [3.0, 1e-4, 1e4])
 def test_scale_multiplies_the_grad_norm(model_and_batch, scale):
     net, (inputs, targets) = model_and_batch
-    params = list(net.parameters())
+    params = trainable(net)
     summed_grads(net, inputs, targets)
     norm_1, _ = GradPipeline(world_size=8, fix=True, scale=1.0).apply(params, count_trained_tokens(targets))
     summed_grads(net, inputs, targets)
@@ -87,7 +94,7 @@ def test_scale_multiplies_the_grad_norm(model_and_batch, scale):
 
 def test_clipping_reports_pre_clip_norm_and_caps_the_gradient(model_and_batch):
     net, (inputs, targets) = model_and_batch
-    params = list(net.parameters())
+    params = trainable(net)
     summed_grads(net, inputs, targets)
     norm, clipped = GradPipeline(8, True, scale=100.0, clip_grad_norm=0.5).apply(params, count_trained_tokens(targets))
     assert bool(clipped) and norm.item() > 0.5

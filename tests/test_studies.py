@@ -1,0 +1,97 @@
+"""Study presets (conf/experiment/): each composes with its own sweep, opens with its comment block, and
+runs whole in its smoke form; scripts/study.sh runs one and writes its report."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+
+import pytest
+from omegaconf import OmegaConf
+
+from experiments.config import validate
+from experiments.sweep import job_dirs
+from tests.conftest import CONF, OFFLINE_ENV, ROOT, compose, read_metrics, train_records
+
+PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def test_the_issue_presets_are_all_there():
+    assert set(PRESETS) >= {"world_size_fix", "scale_sweep", "eps_vs_scale", "lr_vs_scale", "clipping", "precision"}
+
+
+def sweep_of(name: str) -> tuple[dict, list]:
+    cfg = compose([f"experiment={name}"], with_hydra=True)
+    return dict(cfg.hydra.sweeper.params or {}), list(cfg.hydra.sweeper.include or [])
+
+
+def expected_jobs(name: str) -> int:
+    params, include = sweep_of(name)
+    return math.prod(len(str(v).split(",")) for v in params.values()) + len(include)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_composes_and_documents_itself(name):
+    params, _ = sweep_of(name)
+    assert params, f"{name} has no hydra.sweeper.params"
+    header = "".join(itertools.takewhile(lambda line: line.startswith("#"),
+                                         (CONF / "experiment" / f"{name}.yaml").read_text().splitlines(True)))
+    for part in ("Question:", "Scientific:", "Nuisance:", "Fixed:", "Expected", "Run: python -m experiments.run -m "
+                 f"experiment={name}"):
+        assert part in header, f"{name}: the opening comment block lacks {part!r}"
+    # every job of the grid composes and passes the range checks (the sweeper checks them all again)
+    for values in itertools.product(*[[f"{k}={v}" for v in str(vs).split(",")] for k, vs in params.items()]):
+        validate(compose([f"experiment={name}", *values]), overrides=[])
+
+
+def run_preset(name: str, sweep_dir, cache_dir, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    return subprocess.run(
+        ["scripts/study.sh", name, "smoke=on", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**env, "STUDY_DIR": str(sweep_dir), "PYTHON": os.environ.get("PYTHON", __import__("sys").executable)},
+    )
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_runs_whole_in_smoke_form_with_its_report(name, tmp_path, cache_dir):
+    sweep_dir = tmp_path / name
+    proc = run_preset(name, sweep_dir, cache_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    dirs = job_dirs(sweep_dir)
+    assert len(dirs) == expected_jobs(name)
+    statuses = [json.loads((d / "summary.json").read_text())["status"] for d in dirs]
+    assert set(statuses) <= {"completed", "diverged"} and "completed" in statuses
+    report = (sweep_dir / "report" / "report.md").read_text()
+    assert "## Breakdown against theory" in report and (sweep_dir / "report" / "loss_curves.png").exists()
+
+
+def test_world_size_fix_reproduces_the_reports_three_runs(tmp_path, cache_dir):
+    """fix on, fix off, and fix on at lr / 8 (the `include` jobs): SGD's fix-off run is its lr / 8 run."""
+    sweep_dir = tmp_path / "wsf"
+    proc = run_preset("world_size_fix", sweep_dir, cache_dir, "seed=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # include jobs carry the sweep's fixed overrides (seed=3, smoke=on) under their own
+    overrides = [OmegaConf.load(d / ".hydra" / "overrides.yaml") for d in job_dirs(sweep_dir)]
+    assert all("seed=3" in o and "smoke=on" in o for o in overrides)
+    runs = {}
+    for d in job_dirs(sweep_dir):
+        summary = json.loads((d / "summary.json").read_text())
+        runs[(summary["optimizer"], summary["fix"], summary["lr"])] = train_records(read_metrics(d))
+    assert set(runs) == {("sgd", True, 0.03), ("sgd", False, 0.03), ("sgd", True, 0.00375),
+                         ("adamw", True, 1e-3), ("adamw", False, 1e-3), ("adamw", True, 1.25e-4)}
+    for opt, lr in (("sgd", 0.03), ("adamw", 1e-3)):
+        ratio = runs[(opt, False, lr)][0]["train/grad_norm"] / runs[(opt, True, lr)][0]["train/grad_norm"]
+        assert ratio == pytest.approx(1 / 8, rel=1e-6)
+    bug, control = runs[("sgd", False, 0.03)], runs[("sgd", True, 0.00375)]
+    assert [r["train/loss"] for r in bug] == pytest.approx([r["train/loss"] for r in control], rel=1e-6)
+    report = (sweep_dir / "report" / "report.md").read_text()
+    assert "SGD(lr=0.03, c=0.125) == SGD(lr=0.00375, c=1)" in report
+
+
+def test_study_script_names_the_studies_on_a_bad_name():
+    proc = subprocess.run(["scripts/study.sh", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == f"error: study 'nope' is not one of: {' '.join(PRESETS)}"
