@@ -13,6 +13,10 @@ from analysis.theory import clipped_share as predicted_clipped_share
 # notebook shows each returned figure exactly once.
 
 
+# Cycled within a panel, so that runs whose curves coincide (the point of several comparisons) stay visible.
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
 def _label(r) -> str:
     return f"scale={r.scale:g} fix={'on' if r.fix else 'off'} (c_eff={r.c_eff:g})"
 
@@ -42,7 +46,8 @@ def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train/l
     for r in runs.itertuples():
         series = curve(curves, r.run, metric)
         label = _label(r) + (f" lr={r.lr:g}" if several_lrs else "")
-        axes[r.setup].plot(series.index, series.to_numpy(), label=label, lw=1.2)
+        ax = axes[r.setup]
+        ax.plot(series.index, series.to_numpy(), label=label, lw=1.4, ls=LINE_STYLES[len(ax.get_lines()) % 4])
     for name, ax in axes.items():
         ax.set(title=name, xlabel="step", ylabel=metric)
         ax.legend(fontsize=7)

@@ -1,20 +1,18 @@
 #!/usr/bin/env bash
-# Regenerates docs/figures/ and the committed notebook outputs from two real sweeps at the default
-# (tiny) model size, about 6 minutes on 2 CPU cores:
-#   world_size_fix: python -m experiments.run -m optimizer=sgd,adamw fix=true,false
-#   scale_sweep:    python -m experiments.run -m optimizer=sgd,adamw scale=1e-8,1e-6,1e-4,1e-2,1,100
+# Regenerates docs/figures/ (the figures and report.md of every study preset, as docs/findings.md cites
+# them) and the committed notebook outputs, from real runs at the default (tiny) model size. About 50
+# minutes on 2 CPU cores; each study is `scripts/study.sh NAME`, i.e.
+#   python -m experiments.run -m experiment=NAME
+# Sweeps go to multirun/figures/NAME (replaced). One thread per run, as the findings were measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-out=multirun/figures
-rm -rf "$out/world_size_fix" "$out/scale_sweep"
-export WANDB_MODE=disabled
-"$PY" -m experiments.run -m optimizer=sgd,adamw fix=true,false wandb.mode=disabled \
-  hydra.sweep.dir="$out/world_size_fix"
-"$PY" -m experiments.run -m optimizer=sgd,adamw scale=1e-8,1e-6,1e-4,1e-2,1,100 wandb.mode=disabled \
-  hydra.sweep.dir="$out/scale_sweep"
-for sweep in world_size_fix scale_sweep; do
-  "$PY" -m analysis.report "$out/$sweep" --out "docs/figures/$sweep"
+export WANDB_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precision}
+for name in $studies; do
+  rm -rf "multirun/figures/$name"
+  STUDY_DIR="multirun/figures/$name" PYTHON="$PY" scripts/study.sh "$name" wandb.mode=disabled
+  "$PY" -m analysis.report "multirun/figures/$name" --out "docs/figures/$name"
 done
-"$PY" -m analysis.notebook analysis/notebooks/01_world_size_fix.py "$out/world_size_fix"
-"$PY" -m analysis.notebook analysis/notebooks/02_adam_invariance_breakdown.py "$out/scale_sweep"
+"$PY" -m analysis.notebook analysis/notebooks/01_world_size_fix.py multirun/figures/world_size_fix
+"$PY" -m analysis.notebook analysis/notebooks/02_adam_invariance_breakdown.py multirun/figures/scale_sweep

@@ -18,8 +18,8 @@
 # token count afterwards leaves the gradient N times too small (torchtune PR 2172). Reported: grad norms
 # off by exactly N, AdamW loss curves that barely moved, SGD curves that moved a lot.
 #
-# The sweep: `python -m experiments.run -m optimizer=sgd,adamw fix=true,false`
-# (made by `scripts/make_figures.sh`; world_size = 8 emulated ranks).
+# The sweep: `python -m experiments.run -m experiment=world_size_fix` (made by `scripts/make_figures.sh`;
+# world_size = 8 emulated ranks): fix on, fix off, and the report's third run, fix on at lr / 8.
 
 # %% tags=["parameters"]
 import os
@@ -30,7 +30,7 @@ SWEEP_DIR = os.environ.get("GRADSCALE_SWEEP", "../../multirun/figures/world_size
 # %matplotlib inline
 from analysis import plots
 from analysis.load import load
-from analysis.report import summary_table
+from analysis.report import equivalence_table, summary_table
 
 runs, curves = load(SWEEP_DIR)
 summary_table(runs, curves).drop(columns=["reference"])
@@ -50,3 +50,10 @@ plots.loss_curves(runs, curves)
 
 # %%
 plots.divergence(runs, curves)
+
+# %% [markdown]
+# The theory calls SGD's bug an exact learning-rate cut: SGD(lr, c = 1/N) == SGD(lr / N, c = 1). The
+# report's third run (fix on at lr / N) is that pair; AdamW's lr / N run, by contrast, is a different run.
+
+# %%
+equivalence_table(runs, curves)

@@ -17,10 +17,10 @@
 # AdamW(c*g, eps) == AdamW(g, eps/c): the update of a coordinate shrinks by r = c*s / (c*s + eps),
 # where s is its sqrt(v_hat) at c = 1. The critical multiplier c* = eps/s differs across coordinates,
 # so the breakdown is a band, not a cliff. This notebook puts the measured breakdown next to the band
-# predicted from the reference run's measured sqrt(v_hat) quantiles.
+# predicted from the reference run's measured sqrt(v_hat) quantiles, and next to SGD (which feels every
+# factor) and the eps-free contrasts Adam-atan2 and Lion (which feel none).
 #
-# The sweep: `python -m experiments.run -m optimizer=sgd,adamw scale=1e-8,1e-6,1e-4,1e-2,1,100`
-# (made by `scripts/make_figures.sh`).
+# The sweep: `python -m experiments.run -m experiment=scale_sweep` (made by `scripts/make_figures.sh`).
 
 # %% tags=["parameters"]
 import os
@@ -31,7 +31,7 @@ SWEEP_DIR = os.environ.get("GRADSCALE_SWEEP", "../../multirun/figures/scale_swee
 # %matplotlib inline
 from analysis import plots, theory
 from analysis.load import load
-from analysis.report import measured_bands, summary_table
+from analysis.report import measured_bands, summary_table, theory_table
 
 runs, curves = load(SWEEP_DIR)
 bands = measured_bands(runs, curves)
@@ -47,6 +47,12 @@ summary_table(runs, curves).drop(columns=["reference"])
 
 # %%
 plots.breakdown(runs, curves, bands)
+
+# %% [markdown]
+# Where each setup's deviation passes 1% of the reference's final loss, against the predicted band.
+
+# %%
+theory_table(runs, curves)
 
 # %% [markdown]
 # The measured eps-dominated share (coordinates with sqrt(v_hat) < eps) and the update RMS: as c falls
