@@ -110,5 +110,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def finish() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At exit: wait (30 s at most) until every rank is done before tearing down, so that no rank's
+    gloo threads see a peer's connections close under them (an occasional SIGABRT at exit otherwise)."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+        else:
+            dist.barrier()
+    except Exception as e:  # a peer already gone: tear down all the same
+        log.warning("ranks did not meet at exit (%s)", e)
+    dist.destroy_process_group()

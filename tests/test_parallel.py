@@ -58,6 +58,23 @@ def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
     assert (first / "run.rank1.log").exists() and not list(first.glob("*rank1*.json*"))
 
 
+def test_lora_under_torchrun_matches_emulation(cli, tmp_path, cache_dir):
+    """The engines with a frozen base and peft adapters (FSDP2 shards the layers under the peft wrapper)."""
+    args = ["optimizer=adamw", "finetune=lora", "fix=false", *TINY, "steps=5", "world_size=2"]
+    real = torchrun(["-m", "experiments.run", "-m", "dist.strategy=ddp,fsdp2", *args,
+                     f"hydra.sweep.dir={tmp_path / 'real'}"], cache_dir)
+    assert real.returncode == 0, real.stderr[-4000:]
+    emulated = cli(["-m", *args, f"hydra.sweep.dir={tmp_path / 'emulated'}"])
+    assert emulated.returncode == 0, emulated.stderr[-4000:]
+    runs = {**runs_by_config(tmp_path / "real"), **runs_by_config(tmp_path / "emulated")}
+    reference = [r["train/loss"] for r in runs[("emulated", "adamw", False)]]
+    for strategy in ("ddp", "fsdp2"):
+        records = runs[(strategy, "adamw", False)]
+        assert [r["train/loss"] for r in records] == pytest.approx(reference, rel=1e-5), strategy
+        assert [r["train/grad_norm"] for r in records] == pytest.approx(
+            [r["train/grad_norm"] for r in runs[("emulated", "adamw", False)]], rel=1e-4), strategy
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_parity_oracle(strategy):
     from experiments.parity import format_table, run_parity
