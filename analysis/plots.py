@@ -92,23 +92,25 @@ def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
 
 
 def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
-    """Per run, max over steps of |loss - loss(reference)| (NaN without a reference)."""
+    """Per run, max over steps of |loss - loss(reference)| (NaN without a reference, inf when it diverged)."""
     references = pair_references(runs)
     out = {}
     for i, r in zip(runs.index, runs.itertuples()):
         if references[i] is None:
             out[r.run] = np.nan
             continue
-        delta = (curve(curves, r.run, "train/loss") - curve(curves, references[i], "train/loss")).abs()
-        out[r.run] = float(delta.max()) if len(delta.dropna()) else np.nan
+        mine = curve(curves, r.run, "train/loss")
+        delta = (mine - curve(curves, references[i], "train/loss")).abs()
+        diverged = r.status == "diverged" or not np.isfinite(mine.to_numpy()).all()
+        out[r.run] = np.inf if diverged else float(delta.max()) if len(delta.dropna()) else np.nan
     return pd.Series(out)
 
 
 def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None):
     """Max |Δ loss| vs c_eff (log x), a line per setup (and lr); shaded in the line's colour: where the
     theory predicts that setup stops being invariant (bands: setup -> (c_start, c_end), e.g. eps/s from
-    measured sqrt(v_hat) quantiles, or the clipping band). One panel per optimizer when an optimizer has
-    several setups, else one panel for all."""
+    measured sqrt(v_hat) quantiles, or the clipping band); diverged runs as x at the top. One panel per
+    optimizer when an optimizer has several setups, else one panel for all."""
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
     one_panel = table.groupby("optimizer").setup.nunique().max() <= 1 if len(table) else True
@@ -120,7 +122,13 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
         group = group.sort_values("c_eff")
         ax = axes["all" if one_panel else group.optimizer.iloc[0]]
         label = setup + (f" lr={lr:g}" if several_lrs else "")
-        line, = ax.plot(group.c_eff, group.delta.clip(lower=1e-7), "o-", label=label)
+        finite = group[np.isfinite(group.delta)]
+        line, = ax.plot(finite.c_eff, finite.delta.clip(lower=1e-7), "o-", label=label)
+        diverged = group[~np.isfinite(group.delta)]
+        if len(diverged):  # at the top of the data, as x
+            top = max(table.delta[np.isfinite(table.delta)].max() * 3, 1.0)
+            ax.plot(diverged.c_eff, [top] * len(diverged), "x", color=line.get_color(), ms=9,
+                    label=f"{label}: diverged")
         colors.setdefault(setup, (ax, line.get_color()))
     for setup, (low, high) in (bands or {}).items():
         if setup in colors:
@@ -128,7 +136,7 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
             ax.axvspan(min(low, high), max(low, high), alpha=0.12, color=color, label=f"{setup}: predicted band")
     for name, ax in axes.items():
         ax.set(title="" if one_panel else name, xscale="log", yscale="log",
-               xlabel="c_eff (effective gradient multiplier)", ylabel="max |Δ loss| vs reference")
+               xlabel="c_eff (effective gradient multiplier)", ylabel="max |Δ loss| vs reference (0 drawn at 1e-7)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -92,7 +92,7 @@ def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
         if reference_loss is None or pd.isna(reference_loss) or group.c_eff.nunique() < 2:
             continue
         threshold = 0.01 * abs(reference_loss)
-        c, d = group.c_eff.to_numpy(), group.run.map(deltas).fillna(np.inf).to_numpy()  # no curve: diverged
+        c, d = group.c_eff.to_numpy(), group.run.map(deltas).to_numpy()
         band = bands.get(setup)
         rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,
                      "c_1% below 1": crossing(c, d, threshold, "below"),
