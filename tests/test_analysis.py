@@ -86,8 +86,9 @@ def test_breakdown_heatmap_and_lr_axis():
     runs.loc[runs.run == "sgd-0.01-64", ["status", "final_loss"]] = ["diverged", float("nan")]
     fig = plots.breakdown(runs, curves, bands={"adamw": (1e-2, 1e-5)})
     ax = fig.axes[0]
-    # a line per setup and lr; the band shaded in its setup's colour
-    assert ax.get_xscale() == "log" and len(ax.get_lines()) == 4 and len(ax.patches) == 1
+    # a line per setup and lr, the diverged run as x; the band shaded in its setup's colour
+    markers = [line.get_marker() for line in ax.get_lines()]
+    assert ax.get_xscale() == "log" and markers.count("o") == 4 and markers.count("x") == 1 and len(ax.patches) == 1
     heat = plots.final_loss_heatmap(runs)
     assert len(heat.axes) == 4 and heat.axes[0].images[0].get_array().shape == (2, 3)  # 2 plots + 2 colorbars
     axis = plots.lr_axis(runs)
