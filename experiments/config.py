@@ -168,6 +168,7 @@ class Config:
     eval_every: int = 50
     eval_batches: int = 4
     adam_stats_every: int | None = 50  # per-tensor sqrt(v_hat) quantiles -> adam_stats.jsonl; null: off
+    checkpoint_every: int | None = 50  # checkpoint.pt for resuming a killed run; null: off
 
 
 def register_configs() -> None:
@@ -219,6 +220,31 @@ def _int_at_least(key: str, value: Any, low: int) -> None:
     _check(isinstance(value, int) and value >= low, key, value, f"must be an integer >= {low}")
 
 
+def jsonl_problem(path: str, prompt_field: str, response_field: str) -> str | None:
+    """The first thing wrong with a JSONL file of {prompt, response} records, or None. One pass over the
+    file in plain Python, so a bad line is named before any work starts."""
+    records = 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                return f"line {number} is not UTF-8 ({e.reason} at byte {e.start})"
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                return f"line {number} is not JSON ({e})"
+            if not isinstance(record, dict):
+                return f"line {number} is not a JSON object"
+            for key in (prompt_field, response_field):
+                if not isinstance(record.get(key), str):
+                    return f"line {number} has no text field {key!r}"
+            records += 1
+    return None if records else "it holds no records"
+
+
 def model_max_positions(model: Any) -> int:
     """The model's position limit: from the checkpoint's config.json when model.path is set."""
     if model.path:
@@ -260,6 +286,8 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     _int_at_least("eval_batches", cfg.eval_batches, 1)
     if cfg.adam_stats_every is not None:
         _int_at_least("adam_stats_every", cfg.adam_stats_every, 1)
+    if cfg.checkpoint_every is not None:
+        _int_at_least("checkpoint_every", cfg.checkpoint_every, 1)
     if cfg.clip_grad_norm is not None:
         _finite_positive("clip_grad_norm", cfg.clip_grad_norm)
     _check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")
@@ -337,6 +365,8 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     if data.name == "jsonl":
         _check(bool(data.path), "data.path", data.path, "must name a local JSONL file for data=jsonl")
         _check(os.path.isfile(data.path), "data.path", data.path, "must be an existing JSONL file")
+        problem = jsonl_problem(data.path, data.prompt_field, data.response_field)
+        _check(problem is None, "data.path", data.path, f"must be a JSONL file of records: {problem}")
     if data.name == "hf":
         _check(bool(data.hf_name), "data.hf_name", data.hf_name, "must name a dataset for data=hf")
     if not model.path:

@@ -76,6 +76,26 @@ class RunLog:
                 log.warning("W&B log failed (%s: %s); W&B is off for the rest of this run", type(e).__name__, e)
                 self._wandb_failed = True
 
+    def rewind(self, next_step: int) -> None:
+        """Resuming from a checkpoint at next_step: keep only the records of earlier steps (and no torn
+        last line), each file rewritten atomically, so the resumed run neither repeats nor skips a step."""
+        for name in ("metrics.jsonl", "adam_stats.jsonl"):
+            path = self.run_dir / name
+            if not path.exists():
+                continue
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < next_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError):  # a line torn by the kill
+                    continue
+            tmp = path.with_name(f".{name}.tmp{os.getpid()}")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        self._metrics.close()
+        self._metrics = open(self.metrics_path, "a", buffering=1)
+
     def log_adam_stats(self, records: list[dict[str, Any]]) -> None:
         """Per-tensor sqrt(v_hat) quantiles (adam_stats_every), next to metrics.jsonl."""
         if self._adam_stats is None:

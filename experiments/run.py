@@ -8,6 +8,7 @@ Each job's folder (Hydra's output dir) gets metrics.jsonl, summary.json, run.log
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import platform
 import signal
@@ -41,11 +42,13 @@ def _raise_terminated(signum, frame):
     raise Terminated(f"terminated by signal {signum}")
 
 
-def run(cfg: Config, run_log, overrides: list[str]) -> dict[str, Any]:
-    """Build every component from its own config section, train, and return the summary fields."""
+def run(cfg: Config, run_log, overrides: list[str], run_dir: Path | None = None) -> dict[str, Any]:
+    """Build every component from its own config section, train, and return the summary fields.
+
+    run_dir: where checkpoints go (every cfg.checkpoint_every steps); a checkpoint there is resumed from."""
     import torch
 
-    from experiments import data, model, optim, parallel
+    from experiments import checkpoint, data, model, optim, parallel
     from experiments.config import resolve_world_size
     from experiments.grads import GradPipeline
     from experiments.train import train
@@ -70,15 +73,30 @@ def run(cfg: Config, run_log, overrides: list[str]) -> dict[str, Any]:
              cfg.optimizer.name, cfg.finetune.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe_in_effect,
              ranks.world_size, f"{cfg.dist.strategy} ranks" if ranks.real else "emulated", pipeline.effective_scale,
              device)
+    checkpoint_every = cfg.checkpoint_every if run_dir is not None else None
+    start = checkpoint.load(run_dir, net, optimizer, ranks) if checkpoint_every else None
+    if run_log is not None:  # drop what a killed run logged after its checkpoint (all of it, without one)
+        run_log.rewind(start.next_step if start else 0)
     result = train(
         net, optimizer, batches, pipeline, run_log, ranks,
         steps=cfg.steps, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
         eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, adam_stats_every=cfg.adam_stats_every,
-        autocast=autocast, device=device,
+        autocast=autocast, device=device, start=start, checkpoint_every=checkpoint_every, run_dir=run_dir,
     )
-    return {**vars(result), "effective_scale": pipeline.effective_scale, "device": str(device),
+    if checkpoint_every:
+        checkpoint.remove(run_dir, ranks)
+    return {**vars(result), "resumed_from_step": start.next_step if start else None,
+            "effective_scale": pipeline.effective_scale, "device": str(device),
             "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
             "normalization": pipeline.recipe_in_effect}
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """The run folder's summary.json ({} when there is none, or it cannot be read)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def versions() -> dict[str, str]:
@@ -124,6 +142,13 @@ def main(cfg: DictConfig) -> str:
         "finetune": run_cfg.finetune.name, "lr": run_cfg.optimizer.lr, "scale": run_cfg.scale, "fix": run_cfg.fix,
         "world_size": run_cfg.world_size, "seed": run_cfg.seed, "versions": versions(), "git_commit": git_commit(),
     }
+    previous = read_summary(run_dir)
+    if previous.get("status") in ("completed", "diverged"):  # a re-run sweep: this job is done already
+        log.info("%s: already %s, skipped -> %s", hydra_cfg.job.override_dirname or "run", previous["status"],
+                 run_dir)
+        return previous["status"]
+    if previous and is_main:  # failed before: it runs again, and no stale summary stands meanwhile
+        (run_dir / "summary.json").unlink()
     started = time.perf_counter()
     run_log = None
     try:
@@ -133,7 +158,7 @@ def main(cfg: DictConfig) -> str:
                 tags=[run_cfg.optimizer.name, f"scale={run_cfg.scale:g}", f"fix={run_cfg.fix}", *run_cfg.wandb.tags],
                 config=OmegaConf.to_container(cfg, resolve=True),
             )
-        summary.update(run(run_cfg, run_log, overrides))
+        summary.update(run(run_cfg, run_log, overrides, run_dir))
     except Terminated as e:
         summary["error"] = str(e)
         raise

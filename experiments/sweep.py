@@ -7,6 +7,7 @@ The sweeper plugin itself must live in the `hydra_plugins` package (a Hydra rule
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from experiments.config import ConfigError, validate
 
 
 class ValidateBeforeRun(Callback):
-    """Single runs: range-check the config before Hydra creates the run folder.
+    """Single runs: range-check the config and the output folder before Hydra creates the run folder.
 
     Hydra turns exceptions raised in callbacks into warnings, so a bad value exits here directly.
     """
@@ -26,9 +27,68 @@ class ValidateBeforeRun(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             validate(config)
+            check_writable("hydra.run.dir", Path(config.hydra.run.dir))
         except ConfigError as e:
             print(e, file=sys.stderr, flush=True)
             sys.exit(2)
+
+
+def check_writable(key: str, folder: Path) -> None:
+    """The folder exists and is writable, or can be created: its nearest existing ancestor is a writable
+    folder."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not existing.is_dir() else "is not writable"
+        raise ConfigError(f"error: {key}={str(folder)!r} cannot be written: {existing} {what}")
+
+
+# Keys that change nothing a run computes: a re-run sweep may set them differently.
+NON_RESULT_KEYS = ("wandb",)
+
+
+def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -> None:
+    """Re-running into an existing sweep folder resumes it; refuse when the folder holds runs of another
+    sweep (overrides no job of this one has) or of another config (a key's value changed since)."""
+    if not Path(sweep_dir).is_dir():
+        return
+
+    def result_overrides(overrides) -> tuple[str, ...]:
+        return tuple(o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] not in NON_RESULT_KEYS)
+
+    wanted = {result_overrides(job): cfg for job, cfg in jobs.items()}
+    for job_dir in job_dirs(sweep_dir):
+        overrides_file = job_dir / ".hydra" / "overrides.yaml"
+        done = result_overrides(OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists()
+                                else [])
+        if done not in wanted:
+            raise ConfigError(f"error: hydra.sweep.dir={str(sweep_dir)!r} holds runs of another sweep "
+                              f"({job_dir.name}); re-run its own command, or choose a new hydra.sweep.dir")
+        before = _result_config(OmegaConf.load(job_dir / ".hydra" / "config.yaml"))
+        now = _result_config(wanted[done])
+        if before != now:
+            key = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
+            raise ConfigError(f"error: hydra.sweep.dir={str(sweep_dir)!r}: {job_dir.name} ran with {key}="
+                              f"{before.get(key)!r}, this sweep has {key}={now.get(key)!r}; "
+                              "choose a new hydra.sweep.dir")
+
+
+def _result_config(cfg: DictConfig) -> dict[str, Any]:
+    """The job config without the hydra node and NON_RESULT_KEYS, flattened to dotted keys."""
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    flat: dict[str, Any] = {}
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            if prefix == "" and k in ("hydra", *NON_RESULT_KEYS):
+                continue
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+    walk(tree)
+    return flat
 
 
 def job_dirs(sweep_dir: Path) -> list[Path]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments import checkpoint
+from experiments.checkpoint import LoopState
 from experiments.data import Batches
 from experiments.grads import (
     GradPipeline,
@@ -53,14 +55,20 @@ def train(
     adam_stats_every: int | None,
     autocast: contextlib.AbstractContextManager,
     device: torch.device,
+    start: LoopState | None = None,
+    checkpoint_every: int | None = None,
+    run_dir=None,
 ) -> TrainResult:
+    """start: where a resumed run stands (checkpoint.load); checkpoints go to run_dir every checkpoint_every."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     n_coords = sum(p.numel() for p in params)  # FSDP2: numel of a DTensor is the full size
     names = {p: n for n, p in model.named_parameters()}
-    final_loss, best_eval, window_start, window_tokens = None, None, time.perf_counter(), 0
-    clipped_steps = torch.zeros((), dtype=torch.int64, device=device)  # summed on device: no sync per step
-    for step in range(steps):
+    start = start or LoopState()
+    final_loss, best_eval, window_start, window_tokens = start.final_loss, start.best_eval, time.perf_counter(), 0
+    clipped_steps = torch.tensor(start.clipped_steps, device=device)  # summed on device: no sync per step
+    tokens_per_s = 0.0
+    for step in range(start.next_step, steps):
         inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
         loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, grad_accum, autocast,
                                                     device)
@@ -111,6 +119,10 @@ def train(
             best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
             log_record(run_log, {"step": step, "eval/loss": eval_loss})
             log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
+
+        if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            state = LoopState(step + 1, final_loss, best_eval, int(clipped_steps))
+            checkpoint.save(run_dir, model, optimizer, state, ranks)  # every rank: gathers under torchrun
     return TrainResult("completed", steps, final_loss, best_eval, None, tokens_per_s, int(clipped_steps))
 
 

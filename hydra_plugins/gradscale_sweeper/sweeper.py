@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
 
 from experiments.config import ConfigError, validate
-from experiments.sweep import format_sweep_table, sweep_runs
+from experiments.sweep import check_same_sweep, check_writable, format_sweep_table, sweep_runs
 
 log = logging.getLogger(__name__)
 
@@ -48,19 +49,37 @@ class GradscaleSweeper(BasicSweeper):
         return [grid[i:i + size] for i in range(0, len(grid), size)]
 
     def sweep(self, arguments: list[str]) -> Any:
+        try:
+            jobs = self._checked_jobs(arguments)
+        except ConfigError as e:  # one line and exit 2, as for a single run (Hydra would add a hint line)
+            print(e, file=sys.stderr, flush=True)
+            sys.exit(2)
+        log.info("sweep of %d jobs -> %s", len(jobs), self.config.hydra.sweep.dir)
+        return self._launch(arguments)
+
+    def _checked_jobs(self, arguments: list[str]) -> list[list[str]]:
+        """Every job's overrides, each composed and range-checked; the sweep folder writable, and holding
+        nothing but this sweep's runs (a re-run resumes it: finished jobs skipped, killed ones resumed)."""
         assert self.hydra_context is not None and self.config is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         jobs = [job for batch in self.split_arguments(overrides, None) for job in batch]
+        configs = {}
         for job in jobs:
             job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
             try:
                 validate(job_cfg)
             except ConfigError as e:
                 raise ConfigError(f"{e} (job: {' '.join(job)})") from None
+            configs[tuple(job)] = job_cfg
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
-        log.info("sweep of %d jobs -> %s", len(jobs), sweep_dir)
+        check_writable("hydra.sweep.dir", sweep_dir)
+        check_same_sweep(sweep_dir, configs)
+        return jobs
+
+    def _launch(self, arguments: list[str]) -> Any:
+        sweep_dir = Path(self.config.hydra.sweep.dir)
         try:
             returns = super().sweep(arguments)
         except Exception:  # a failed job: the basic launcher ran every job of the batch first

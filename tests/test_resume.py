@@ -1,0 +1,117 @@
+"""Re-running is always safe: a killed run resumes from its checkpoint to the same metrics, a re-run sweep
+skips finished jobs and resumes killed ones, and a folder of another sweep is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from experiments.sweep import job_dirs
+from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics
+
+LONG = [*TINY, "steps=150", "checkpoint_every=20"]
+
+
+def without_timings(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in records]
+
+
+def start(args: list[str], cache_dir) -> subprocess.Popen:
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    return subprocess.Popen([sys.executable, "-m", "experiments.run", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def kill_when(proc: subprocess.Popen, metrics: Path, records: int, timeout: float = 120) -> None:
+    """SIGKILL the process once `metrics` holds at least this many records (no chance to clean up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= records:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the run ended (rc={proc.poll()}) before {metrics} held {records} records")
+
+
+def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(cli, tmp_path, cache_dir):
+    whole = tmp_path / "whole"
+    assert cli([*LONG, f"hydra.run.dir={whole}"]).returncode == 0
+    killed = tmp_path / "killed"
+    args = [*LONG, f"hydra.run.dir={killed}"]
+    kill_when(start(args, cache_dir), killed / "metrics.jsonl", records=70)  # train and eval records: past step 40
+    assert not (killed / "summary.json").exists() and (killed / "checkpoint.pt").exists()
+    proc = cli(args)  # the same command again
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resumed_from_step"] >= 20
+    assert without_timings(read_metrics(killed)) == without_timings(read_metrics(whole))  # no step twice or missing
+    assert (killed / "adam_stats.jsonl").read_text() == (whole / "adam_stats.jsonl").read_text()
+    assert not (killed / "checkpoint.pt").exists()  # removed once the run ended
+
+
+def test_rerun_sweep_resumes_the_killed_job_and_leaves_the_diverged_one(cli, tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "optimizer=sgd", "optimizer.lr=0.05", "scale=1e30,1", *LONG, f"hydra.sweep.dir={sweep}"]
+    proc = start(args, cache_dir)
+    kill_when(proc, next_metrics(sweep, 1, proc), records=50)  # job 0 diverged; job 1 is killed mid-way
+    diverged = job_dirs(sweep)[0]
+    summary_before = (diverged / "summary.json").read_text()
+    assert json.loads(summary_before)["status"] == "diverged"
+    rerun = cli(args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (diverged / "summary.json").read_text() == summary_before  # left alone
+    assert "already diverged, skipped" in (diverged / "run.log").read_text()
+    resumed = json.loads((job_dirs(sweep)[1] / "summary.json").read_text())
+    assert resumed["status"] == "completed" and resumed["resumed_from_step"] >= 20
+    steps = [r["step"] for r in read_metrics(job_dirs(sweep)[1]) if "train/loss" in r]
+    assert steps == list(range(150))
+    from analysis.report import main
+
+    assert main([str(sweep)]) == 0
+    report = (sweep / "report" / "report.md").read_text()
+    assert "| diverged |" in report and "| completed |" in report
+
+
+def next_metrics(sweep: Path, job: int, proc: subprocess.Popen, timeout: float = 120) -> Path:
+    """metrics.jsonl of the sweep's job number `job`, once its folder exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        dirs = [d for d in job_dirs(sweep) if d.name.startswith(f"{job}_")] if sweep.exists() else []
+        if dirs:
+            return dirs[0] / "metrics.jsonl"
+        time.sleep(0.01)
+    raise AssertionError(f"job {job} of {sweep} never started")
+
+
+def test_a_folder_of_another_sweep_is_refused_untouched(cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    assert cli(["-m", "scale=1,2", *TINY, "steps=1", f"hydra.sweep.dir={sweep}"]).returncode == 0
+    before = {p: p.stat().st_mtime_ns for p in sweep.rglob("*")}
+    proc = cli(["-m", "scale=1,4", *TINY, "steps=1", f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: hydra.sweep.dir={str(sweep)!r} holds runs of another sweep ({job_dirs(sweep)[1].name}); "
+        "re-run its own command, or choose a new hydra.sweep.dir"]
+    assert {p: p.stat().st_mtime_ns for p in sweep.rglob("*")} == before
+    # the same sweep again is fine: both jobs are skipped
+    again = cli(["-m", "scale=1,2", *TINY, "steps=1", f"hydra.sweep.dir={sweep}", "wandb.mode=offline"])
+    assert again.returncode == 0 and "skipped" in (job_dirs(sweep)[0] / "run.log").read_text()
+
+
+def test_rewind_drops_later_records_and_a_torn_line(tmp_path):
+    from experiments.config import WandbConfig
+    from experiments.metrics import RunLog
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n"
+                                                    for s in range(5)) + '{"step": 5, "train/lo')
+    run_log = RunLog(tmp_path, WandbConfig(mode="disabled"), name="t", group=None, tags=[], config={})
+    run_log.rewind(3)
+    run_log.log({"step": 3, "train/loss": 2.0})
+    run_log.finish({"status": "completed"})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
