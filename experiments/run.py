@@ -13,6 +13,7 @@ import logging
 import platform
 import signal
 import subprocess
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -166,7 +167,10 @@ def main(cfg: DictConfig) -> str:
         log.exception("run failed")
         summary["error"] = f"{type(e).__name__}: {e}"
         message = str(e) if str(e).startswith("error:") else f"error: run failed: {type(e).__name__}: {e}"
-        raise RunFailed(f"{message} ({run_dir})") from e
+        if not multirun:  # one line and a non-zero exit (Hydra would add a hint line); the summary still lands
+            print(f"{message} ({run_dir})", file=sys.stderr, flush=True)
+            sys.exit(1)
+        raise RunFailed(f"{message} ({run_dir})") from e  # the sweeper records it and runs the other jobs
     finally:
         summary["wall_s"] = time.perf_counter() - started
         if run_log is not None:

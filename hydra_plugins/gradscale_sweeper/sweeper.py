@@ -93,7 +93,9 @@ class GradscaleSweeper(BasicSweeper):
         print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}", flush=True)
         failed = [r for r in rows if r["status"] not in ("completed", "diverged")]
         if returns is None or failed:
-            raise SweepFailed(f"error: {len(failed)} of {len(rows)} runs did not complete; see {sweep_dir}/*/run.log")
+            print(f"error: {len(failed)} of {len(rows)} runs did not complete; see {sweep_dir}/*/run.log",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
         return returns
 
 

@@ -1,0 +1,61 @@
+"""The README's bad-input table, the rows not covered elsewhere (config values: test_cli.py; model.path:
+test_model.py; another sweep's folder: test_resume.py): data files and output folders. Each gets one
+line on stderr naming the value, a non-zero exit, and nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+GOOD = json.dumps({"prompt": "What is 1 + 1?", "response": "2."}) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"", "it holds no records"),
+        (b"prompt,response\nq,a\n", "line 1 is not JSON"),
+        ((GOOD * 3 + '{"prompt": "q", "resp').encode() + b"\n" + GOOD.encode(), "line 4 is not JSON"),
+        (GOOD.encode() + b'["a list"]\n', "line 2 is not a JSON object"),
+        (GOOD.encode() + json.dumps({"prompt": "q"}).encode() + b"\n", "line 2 has no text field 'response'"),
+        (GOOD.encode() + b'{"prompt": "caf\xe9", "response": "x"}\n', "line 2 is not UTF-8"),
+    ],
+    ids=["empty", "not-jsonl", "corrupt-line", "not-an-object", "missing-field", "invalid-utf8"],
+)
+def test_bad_data_file_is_refused_before_any_work(cli, tmp_path, content, expected):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(content)
+    run_dir = tmp_path / "run"
+    proc = cli(["data=jsonl", f"data.path={path}", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    prefix = f"error: data.path={str(path)!r} is not allowed: must be a JSONL file of records: "
+    assert len(lines) == 1 and lines[0].startswith(prefix + expected), proc.stderr
+    assert not run_dir.exists()
+
+
+def test_every_example_longer_than_seq_len_fails_the_run_in_one_line(cli, tmp_path):
+    """Only tokenizing tells, so the run starts; it ends failed, saying why, in one line."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"question {i} " * 40, "response": "yes"}) + "\n" for i in range(40)))
+    run_dir = tmp_path / "run"
+    proc = cli(["data=jsonl", f"data.path={path}", "seq_len=16", "batch_size=8", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: seq_len=16 leaves no sequence with a trained token")
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize("mode", ["run", "sweep"])
+def test_unwritable_output_folder_is_refused(cli, tmp_path, mode):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    target = blocker / "out"
+    args = [f"hydra.run.dir={target}"] if mode == "run" else ["-m", "scale=1,2", f"hydra.sweep.dir={target}"]
+    proc = cli(args)
+    assert proc.returncode == 2
+    key = "hydra.run.dir" if mode == "run" else "hydra.sweep.dir"
+    expected = f"error: {key}={str(target)!r} cannot be written: {blocker} is not a folder"
+    assert proc.stderr.strip().splitlines() == [expected]
+    assert blocker.read_text() == "not a folder"
