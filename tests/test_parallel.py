@@ -34,7 +34,7 @@ def runs_by_config(sweep_dir: Path) -> dict[tuple, list[dict]]:
 
 
 def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
-    steps = ["steps=5", "world_size=2"]
+    steps = ["steps=5", "world_size=2", "checkpoint_every=2"]  # checkpoints gather states mid-run
     real = torchrun(["-m", "experiments.run", "-m", "optimizer=sgd,adamw", "dist.strategy=ddp,fsdp2",
                      "fix=true,false", *TINY, *steps, f"hydra.sweep.dir={tmp_path / 'real'}"], cache_dir)
     assert real.returncode == 0, real.stderr[-4000:]
