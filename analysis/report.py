@@ -128,7 +128,7 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
         ("grad_norm_ratio", (lambda: plots.grad_norm_ratio(runs, curves)) if has_pairs else None, no_ref),
         ("breakdown", (lambda: plots.breakdown(runs, curves, measured_bands(runs, curves))) if has_pairs else None,
          no_ref),
-        ("eps_collapse", (lambda: plots.eps_collapse(runs, curves)) if has_pairs and several_eps else None,
+        ("eps_collapse", (lambda: plots.eps_collapse(runs)) if several_eps else None,
          "needs runs at several eps for one optimizer"),
         ("clipping", (lambda: plots.clipping(runs, curves)) if clipped else None, "no run with clipping"),
         ("final_loss_heatmap", (lambda: plots.final_loss_heatmap(runs)) if lrs_per_opt > 1 and c_per_opt > 1
