@@ -185,8 +185,8 @@ def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
 
     assert main([str(tiny_sweep), "--out", str(tmp_path / "report")]) == 0
     out = tmp_path / "report"
-    expected = {"loss_curves", "divergence", "grad_norm_ratio", "breakdown", "final_loss_heatmap", "adam_state",
-                "lr_axis"}
+    expected = {"loss_curves", "divergence", "grad_norm_ratio", "breakdown", "lr_separation", "final_loss_heatmap",
+                "adam_state", "lr_axis"}
     assert {p.stem for p in out.glob("*.png")} == expected
     report = (out / "report.md").read_text()
     assert "## Per setup and scale" in report and report.count("| adamw |") >= 4
