@@ -161,11 +161,11 @@ def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna() & (runs.weight_decay == 0)].itertuples():
         if r.optimizer == "sgd":
-            match, rule = np.isclose(unit.lr, r.lr * r.c_eff, rtol=1e-6, atol=0) & (unit.eps.isna()), \
-                f"SGD(lr={r.lr:g}, c={r.c_eff:g}) == SGD(lr={r.lr * r.c_eff:g}, c=1)"
+            match = np.isclose(unit.lr, r.lr * r.c_eff, rtol=1e-6, atol=0) & unit.eps.isna()
+            rule = f"SGD(lr={r.lr:g}, c={r.c_eff:g}) == SGD(lr={r.lr * r.c_eff:g}, c=1)"
         elif r.optimizer == "adamw":
-            match, rule = np.isclose(unit.eps, r.eps / r.c_eff, rtol=1e-6, atol=0) & (unit.lr == r.lr), \
-                f"AdamW(c={r.c_eff:g}, eps={r.eps:g}) == AdamW(c=1, eps={r.eps / r.c_eff:g})"
+            match = np.isclose(unit.eps, r.eps / r.c_eff, rtol=1e-6, atol=0) & (unit.lr == r.lr)
+            rule = f"AdamW(c={r.c_eff:g}, eps={r.eps:g}) == AdamW(c=1, eps={r.eps / r.c_eff:g})"
         else:
             continue
         mine = {k: _key(getattr(r, k)) for k in keys}

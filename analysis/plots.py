@@ -96,8 +96,8 @@ def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
     references = pair_references(runs)
     out = {}
     for i, r in zip(runs.index, runs.itertuples()):
-        if references[i] is None:
-            out[r.run] = np.nan
+        if references[i] is None or references[i] == r.run:
+            out[r.run] = np.nan if references[i] is None else 0.0
             continue
         mine = curve(curves, r.run, "train/loss")
         delta = (mine - curve(curves, references[i], "train/loss")).abs()
@@ -142,17 +142,18 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
     return fig
 
 
-def eps_collapse(runs: pd.DataFrame, curves: pd.DataFrame):
-    """Max |Δ loss| vs c_eff / eps, one line per eps: AdamW(c, eps) == AdamW(1, eps/c) says the lines fall
-    on one curve (DESIGN.md physics 3)."""
+def eps_collapse(runs: pd.DataFrame):
+    """Final loss vs c_eff / eps, one line per eps: AdamW(c, eps) == AdamW(1, eps/c) says every run's
+    outcome depends on c / eps alone, so the lines fall on one curve (DESIGN.md physics 3). Plotted
+    against the outcome itself, not a deviation from each eps's own c = 1 run, which moves with eps."""
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
-    deltas = max_divergence(runs, curves)
-    table = runs[runs.eps.notna()].assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
-    for (optimizer, eps), group in table.groupby(["optimizer", "eps"]):
+    table = runs[runs.eps.notna() & (runs.status == "completed")]
+    for i, ((optimizer, eps), group) in enumerate(table.groupby(["optimizer", "eps"])):
         group = group.sort_values("c_eff")
-        ax.plot(group.c_eff / eps, group.delta.clip(lower=1e-7), "o-", label=f"{optimizer} eps={eps:g}")
-    ax.set(xscale="log", yscale="log", xlabel="c_eff / eps", ylabel="max |Δ loss| vs reference (c = 1, same eps)",
+        ax.plot(group.c_eff / eps, group.final_loss, "o" + LINE_STYLES[i % 4], label=f"{optimizer} eps={eps:g}",
+                ms=7 - i, lw=1.2)
+    ax.set(xscale="log", xlabel="c_eff / eps", ylabel="final loss",
            title="AdamW trades c for eps: one curve in c / eps")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -177,6 +178,29 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
             ax.plot(grid, predicted, "-", color=line.get_color(), lw=1, label=f"{setup}: predicted")
     ax.set(xscale="log", xlabel="c_eff", ylabel="share of steps clipped", ylim=(-0.03, 1.03),
            title="Clipping: which steps are clipped at each c")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def lr_separation(runs: pd.DataFrame, curves: pd.DataFrame):
+    """Max |Δ loss| against the reference vs lr, a line per setup and c_eff: how a higher learning rate
+    amplifies the same gradient multiplier (DESIGN.md physics 6); diverged runs as x at the top."""
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.subplots()
+    deltas = max_divergence(runs, curves)
+    table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
+    table = table[table.delta > 0]  # the references themselves
+    finite = table.delta[np.isfinite(table.delta)]
+    top = max(finite.max() * 3, 1.0) if len(finite) else 1.0
+    for i, ((setup, c_eff), group) in enumerate(table.groupby(["setup", "c_eff"], sort=False)):
+        group = group.sort_values("lr")
+        ok = group[np.isfinite(group.delta)]
+        line, = ax.plot(ok.lr, ok.delta, "o" + LINE_STYLES[i % 4], label=f"{setup} c_eff={c_eff:g}")
+        bad = group[~np.isfinite(group.delta)]
+        ax.plot(bad.lr, [top] * len(bad), "x", color=line.get_color(), ms=9)
+    ax.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="max |Δ loss| vs reference (c = 1)",
+           title="A higher lr amplifies the same multiplier (x: diverged)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -128,9 +128,11 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
         ("grad_norm_ratio", (lambda: plots.grad_norm_ratio(runs, curves)) if has_pairs else None, no_ref),
         ("breakdown", (lambda: plots.breakdown(runs, curves, measured_bands(runs, curves))) if has_pairs else None,
          no_ref),
-        ("eps_collapse", (lambda: plots.eps_collapse(runs, curves)) if has_pairs and several_eps else None,
+        ("eps_collapse", (lambda: plots.eps_collapse(runs)) if several_eps else None,
          "needs runs at several eps for one optimizer"),
         ("clipping", (lambda: plots.clipping(runs, curves)) if clipped else None, "no run with clipping"),
+        ("lr_separation", (lambda: plots.lr_separation(runs, curves)) if has_pairs and lrs_per_opt > 1 else None,
+         "needs pairs with a reference at several learning rates"),
         ("final_loss_heatmap", (lambda: plots.final_loss_heatmap(runs)) if lrs_per_opt > 1 and c_per_opt > 1
          else None, "needs at least 2 learning rates and 2 values of c_eff for one setup"),
         ("adam_state", (lambda: plots.adam_state(runs, curves)) if adam else None, "no Adam-type runs"),

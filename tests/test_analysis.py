@@ -133,9 +133,10 @@ def test_eps_collapse_and_clipping_figures():
     other = runs.assign(eps=1e-6, run=runs.run + "-eps6")
     curves = pd.concat([curves, curves.assign(run=curves.run + "-eps6")], ignore_index=True)
     runs = pd.concat([runs, other], ignore_index=True)
-    fig = plots.eps_collapse(runs, curves)
-    lines = fig.axes[0].get_lines()
+    fig = plots.eps_collapse(runs)
+    lines = fig.axes[0].get_lines()  # groups sorted by eps: 1e-8, then 1e-6
     assert len(lines) == 2 and np.allclose(lines[1].get_xdata(), [1 / 1e-6, 8 / 1e-6, 64 / 1e-6])
+    assert np.allclose(lines[0].get_ydata(), [5.0, 8.0, 11.0])  # final losses
     clipped = runs[runs.eps == 1e-8].assign(clip=1.0, clipped_steps=[0, 2, 5], setup="adamw clip=1")
     fig = plots.clipping(clipped, curves)
     measured, predicted = fig.axes[0].get_lines()[:2]
@@ -184,8 +185,8 @@ def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
 
     assert main([str(tiny_sweep), "--out", str(tmp_path / "report")]) == 0
     out = tmp_path / "report"
-    expected = {"loss_curves", "divergence", "grad_norm_ratio", "breakdown", "final_loss_heatmap", "adam_state",
-                "lr_axis"}
+    expected = {"loss_curves", "divergence", "grad_norm_ratio", "breakdown", "lr_separation", "final_loss_heatmap",
+                "adam_state", "lr_axis"}
     assert {p.stem for p in out.glob("*.png")} == expected
     report = (out / "report.md").read_text()
     assert "## Per setup and scale" in report and report.count("| adamw |") >= 4
