@@ -164,6 +164,7 @@ class Config:
     clip_grad_norm: float | None = None
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False  # torch.compile the model (README "Performance": what it buys, measured)
     log_every: int = 5
     eval_every: int = 50
     eval_batches: int = 4

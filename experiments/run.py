@@ -66,6 +66,8 @@ def run(cfg: Config, run_log, overrides: list[str], run_dir: Path | None = None)
     batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
     net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, device), cfg.finetune)
     net = parallel.wrap(net, ranks)
+    if cfg.compile:
+        net = torch.compile(net)
     optimizer = optim.build_optimizer(cfg.optimizer, [p for p in net.parameters() if p.requires_grad])
     pipeline = GradPipeline(ranks.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm, cfg.normalization.name,
                             cfg.grad_accum)

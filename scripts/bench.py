@@ -1,6 +1,6 @@
 """Benchmark: the suite's training step against a bare PyTorch loop and the Hugging Face Trainer.
 
-    python scripts/bench.py [OVERRIDES ...] [--steps 20] [--repeats 5] [--sweep]
+    python scripts/bench.py [OVERRIDES ...] [--steps 20] [--repeats 5] [--sweep N]
 
 In one process, on the same model (same init), batches and optimizer (AdamW, foreach), interleaved and
 repeated (median of --repeats), it times per optimizer step:
@@ -10,8 +10,8 @@ repeated (median of --repeats), it times per optimizer step:
   (c) hf_trainer: transformers.Trainer on the same model and batches, logging and saving off
 Step times are medians over steps 1..N-1 of each repeat (step 0 warms up), then over repeats. Also the
 model FLOP/s of (b) (6 * parameters * tokens plus attention) against this machine's fp32
-matrix-multiply rate measured in the same run. --sweep adds the default 4-run sweep's wall time with
-the basic launcher and with hydra/launcher=local_parallel. The last line is machine-readable:
+matrix-multiply rate measured in the same run. --sweep N adds the default 4-run sweep's wall time with
+the basic launcher and with hydra/launcher=local_parallel (median of N, interleaved). The last line is machine-readable:
     suite/bare=<step-time ratio> suite/hf_trainer=<tokens/s ratio> utilization=<fraction>
 OVERRIDES are the suite's (model=..., batch_size=..., device=..., precision=...); default: its defaults.
 """
@@ -56,9 +56,9 @@ def sync(device: torch.device) -> None:
 
 def bare_step_times(model, batches, cfg, device, steps: int) -> list[float]:
     from experiments.grads import token_loss_sum
+    from experiments.optim import build_optimizer
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas),
-                                  eps=cfg.optimizer.eps, foreach=True)
+    optimizer = build_optimizer(cfg.optimizer, list(model.parameters()))  # the same AdamW as the suite's
     autocast = autocast_for(cfg, device)
     times, last = [], time.perf_counter()
     for step in range(steps):
@@ -159,22 +159,26 @@ def model_flops_per_token(cfg, n_params: int) -> float:
     return 6 * n_params + 12 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * cfg.seq_len
 
 
-def sweep_wall_times() -> dict[str, float]:
-    """The default 4-run sweep, sequential (basic launcher) and in parallel (joblib, 2 jobs)."""
-    out = {}
-    for name, extra in (("sequential", []), ("parallel", ["hydra/launcher=local_parallel"])):
-        with tempfile.TemporaryDirectory() as tmp:
-            start = time.perf_counter()
-            proc = subprocess.run(
-                [sys.executable, "-m", "experiments.run", "-m", "optimizer=sgd,adamw", "scale=1,8", *extra,
-                 "wandb.mode=disabled", f"hydra.sweep.dir={tmp}/sweep"],
-                cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"},
-            )
-            out[name] = time.perf_counter() - start
-            if proc.returncode != 0:
-                raise SystemExit(f"error: the {name} sweep failed:\n{proc.stderr[-2000:]}")
-        print(f"default sweep, {name}: {out[name]:.1f} s", flush=True)
-    return out
+def sweep_wall_times(repeats: int) -> dict[str, float]:
+    """The default 4-run sweep's wall time (start-up included), sequential (basic launcher) and in
+    parallel (hydra/launcher=local_parallel: 2 jobs, cores / 2 threads each); interleaved, median."""
+    times: dict[str, list[float]] = {"sequential": [], "parallel": []}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each launcher's own threads
+    for repeat in range(repeats):
+        for name, extra in (("sequential", []), ("parallel", ["hydra/launcher=local_parallel"])):
+            with tempfile.TemporaryDirectory() as tmp:
+                start = time.perf_counter()
+                proc = subprocess.run(
+                    [sys.executable, "-m", "experiments.run", "-m", "optimizer=sgd,adamw", "scale=1,8", *extra,
+                     "wandb.mode=disabled", f"hydra.sweep.dir={tmp}/sweep"],
+                    cwd=ROOT, capture_output=True, text=True, env={**env, "WANDB_MODE": "disabled"},
+                )
+                times[name].append(time.perf_counter() - start)
+                if proc.returncode != 0:
+                    raise SystemExit(f"error: the {name} sweep failed:\n{proc.stderr[-2000:]}")
+        print(f"default sweep, repeat {repeat + 1}/{repeats}: sequential {times['sequential'][-1]:.1f} s, "
+              f"parallel {times['parallel'][-1]:.1f} s", flush=True)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="the suite's config overrides, e.g. model=llama3_2_1b")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed run (>= 3)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median is reported")
-    parser.add_argument("--sweep", action="store_true", help="also time the default sweep, sequential and parallel")
+    parser.add_argument("--sweep", type=int, default=0, metavar="N",
+                        help="also time the default sweep, sequential and parallel, N times each")
     args = parser.parse_args(argv)
     if args.steps < 3 or args.repeats < 1:
         parser.error(f"--steps={args.steps} must be >= 3 and --repeats={args.repeats} >= 1")
@@ -204,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"bare": bare_step_times, "suite": suite_step_times, "hf_trainer": hf_trainer_step_times}
     medians: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
-        for name, timed in variants.items():  # interleaved: drifts in machine speed hit all three alike
+        # interleaved, and the order rotated each repeat: drifts in machine speed and whatever the
+        # previous loop left behind (allocator, caches) hit all three alike
+        order = list(variants)[repeat % 3:] + list(variants)[:repeat % 3]
+        for name in order:
+            timed = variants[name]
             times = timed(copy.deepcopy(base), batches, cfg, device, args.steps)
             medians[name].append(statistics.median(times))
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
@@ -220,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsuite model FLOP/s: {suite_flops / 1e9:.2f} GFLOP/s; measured fp32 matmul (1024^3): "
           f"{peak / 1e9:.1f} GFLOP/s; utilization {suite_flops / peak:.3f}")
     if args.sweep:
-        walls = sweep_wall_times()
+        walls = sweep_wall_times(args.sweep)
         print(f"default sweep: sequential {walls['sequential']:.1f} s, parallel {walls['parallel']:.1f} s "
               f"(parallel/sequential {walls['parallel'] / walls['sequential']:.2f})")
     print(f"suite/bare={step['suite'] / step['bare']:.4f} "
