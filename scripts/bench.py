@@ -5,8 +5,9 @@
 In one process, on the same model (same init), batches and optimizer (AdamW, foreach), interleaved and
 repeated (median of --repeats), it times per optimizer step:
   (a) bare:       forward, token-mean loss, backward, optimizer.step, zero_grad; nothing else
-  (b) suite:      experiments.train.train with every metric on every step (log_every=1: grad norm, update
-                  RMS, parameter norm, Adam state statistics, metrics.jsonl written line by line)
+  (b) suite:      experiments.train.train with every metric on (grad norm, update RMS, parameter norm,
+                  Adam state statistics, sqrt(v_hat) quantiles, metrics.jsonl written line by line), logged
+                  every log_every = 5 steps as the suite runs by default; suite_every_step: logged every step
   (c) hf_trainer: transformers.Trainer on the same model and batches, logging and saving off
 Step times are medians over steps 1..N-1 of each repeat (step 0 warms up), then over repeats. Also the
 model FLOP/s of (b) (6 * parameters * tokens plus attention) against this machine's fp32
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import math
 import os
 import statistics
@@ -76,8 +78,9 @@ def bare_step_times(model, batches, cfg, device, steps: int) -> list[float]:
     return times[1:]
 
 
-def suite_step_times(model, batches, cfg, device, steps: int) -> list[float]:
-    """The suite's own loop, every metric on every step; step times from its own perf/tokens_per_s."""
+def suite_step_times(model, batches, cfg, device, steps: int, log_every: int | None = None) -> list[float]:
+    """The suite's own loop with every metric on, logged every cfg.log_every steps (the default, 5) or
+    every step; step times from its own perf/tokens_per_s (each logged window's mean step time)."""
     from experiments.grads import GradPipeline
     from experiments.metrics import RunLog
     from experiments.optim import build_optimizer
@@ -89,8 +92,8 @@ def suite_step_times(model, batches, cfg, device, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         run_log = RunLog(Path(tmp), cfg.wandb, name="bench", group=None, tags=[], config={})
         train(model, optimizer, batches, pipeline, run_log, Ranks(world_size=cfg.world_size), steps=steps,
-              grad_accum=1, log_every=1, eval_every=steps, eval_batches=1, adam_stats_every=cfg.adam_stats_every,
-              autocast=autocast_for(cfg, device), device=device)
+              grad_accum=1, log_every=log_every or cfg.log_every, eval_every=steps, eval_batches=1,
+              adam_stats_every=cfg.adam_stats_every, autocast=autocast_for(cfg, device), device=device)
         run_log.finish({})
         from analysis.load import read_jsonl
 
@@ -206,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads, {cfg.precision}; {args.steps} steps x {args.repeats} repeats",
           flush=True)
 
-    variants = {"bare": bare_step_times, "suite": suite_step_times, "hf_trainer": hf_trainer_step_times}
+    variants = {"bare": bare_step_times, "suite": suite_step_times,
+                "suite_every_step": functools.partial(suite_step_times, log_every=1),
+                "hf_trainer": hf_trainer_step_times}
     medians: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
         # interleaved, and the order rotated each repeat: drifts in machine speed and whatever the
         # previous loop left behind (allocator, caches) hit all three alike
-        order = list(variants)[repeat % 3:] + list(variants)[:repeat % 3]
+        order = list(variants)[repeat % len(variants):] + list(variants)[:repeat % len(variants)]
         for name in order:
             timed = variants[name]
             times = timed(copy.deepcopy(base), batches, cfg, device, args.steps)

@@ -1,0 +1,51 @@
+"""The benchmark script runs and ends with its machine-readable line; parallel sweep jobs share the cores.
+(Speed itself is measured by scripts/bench.py, never asserted here.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import OFFLINE_ENV, ROOT
+
+
+def test_bench_runs_all_three_loops_and_ends_with_its_ratios(cache_dir):
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--steps", "3", "--repeats", "1", "batch_size=8",
+                           "seq_len=64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for loop in ("| bare |", "| suite |", "| hf_trainer |"):
+        assert loop in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"suite/bare=([\d.]+) suite/hf_trainer=([\d.]+) utilization=([\d.]+)", last)
+    assert match, last
+    assert all(float(x) > 0 for x in match.groups())
+
+
+def test_bench_refuses_too_few_steps():
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--steps", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--steps=1 must be >= 3" in proc.stderr
+
+
+def test_parallel_jobs_share_the_cores(monkeypatch):
+    from experiments.run import share_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    threads = torch.get_num_threads()
+    try:
+        share_cores(OmegaConf.create({"launcher": {"n_jobs": 2}}))
+        assert torch.get_num_threads() == 4
+        share_cores(OmegaConf.create({"launcher": {"n_jobs": -1}}))  # joblib: as many jobs as cores
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(3)
+        share_cores(OmegaConf.create({"launcher": {"_target_": "basic"}}))  # one job at a time: untouched
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
