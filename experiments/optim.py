@@ -26,7 +26,23 @@ def build_adamw(cfg, params) -> torch.optim.Optimizer:
     )
 
 
-class AdamAtan2(torch.optim.Optimizer):
+class _ForeachOptimizer(torch.optim.Optimizer):
+    """What the contrasts share: per param group, the parameters that have a gradient, as lists for
+    foreach ops, and the decoupled weight decay before the update."""
+
+    def _groups_with_grads(self):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                yield group, params, [p.grad for p in params]
+
+    @staticmethod
+    def _decay_and_update(params, update, group, alpha: float) -> None:
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(params, update, alpha=alpha)
+
+
+class AdamAtan2(_ForeachOptimizer):
     """Adam-atan2 (Everett et al. 2024, arXiv 2407.05872), decoupled weight decay:
 
         m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g^2;  m_hat, v_hat bias-corrected
@@ -42,13 +58,9 @@ class AdamAtan2(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params, grads in self._groups_with_grads():
             beta1, beta2 = group["betas"]
             m, v, step = self._state(params)
-            grads = [p.grad for p in params]
             torch._foreach_lerp_(m, grads, 1 - beta1)
             torch._foreach_mul_(v, beta2)
             torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
@@ -57,8 +69,7 @@ class AdamAtan2(torch.optim.Optimizer):
             denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
             torch._foreach_mul_(denom, group["b"])
             update = [torch.atan2(x, y) for x, y in zip(m_hat, denom)]  # no foreach atan2 in torch
-            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            torch._foreach_add_(params, update, alpha=-group["lr"] * group["a"])
+            self._decay_and_update(params, update, group, alpha=-group["lr"] * group["a"])
 
     def _state(self, params):
         """(exp_avg list, exp_avg_sq list, step after this update), stepping every parameter's count."""
@@ -73,7 +84,7 @@ class AdamAtan2(torch.optim.Optimizer):
         return m, v, self.state[params[0]]["step"]
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(_ForeachOptimizer):
     """Lion (Chen et al. 2023, arXiv 2302.06675), decoupled weight decay:
 
         theta = theta*(1 - lr*wd) - lr * sign(b1*m + (1-b1)*g);  then  m = b2*m + (1-b2)*g
@@ -86,16 +97,11 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params, grads in self._groups_with_grads():
             beta1, beta2 = group["betas"]
             m = [self.state[p].setdefault("exp_avg", torch.zeros_like(p)) for p in params]
-            grads = [p.grad for p in params]
             direction = torch._foreach_sign(torch._foreach_lerp(m, grads, 1 - beta1))
-            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            torch._foreach_add_(params, direction, alpha=-group["lr"])
+            self._decay_and_update(params, direction, group, alpha=-group["lr"])
             torch._foreach_lerp_(m, grads, 1 - beta2)
 
 
