@@ -9,7 +9,9 @@ repeated (median of --repeats), it times per optimizer step:
                   Adam state statistics, sqrt(v_hat) quantiles, metrics.jsonl written line by line), logged
                   every log_every = 5 steps as the suite runs by default; suite_every_step: logged every step
   (c) hf_trainer: transformers.Trainer on the same model and batches, logging and saving off
-Step times are medians over steps 1..N-1 of each repeat (step 0 warms up), then over repeats. Also the
+Step times are medians over steps 1..N-1 of each repeat (step 0 warms up), then over repeats. Then the
+suite's own loop with metrics off, at the default logging and every step (what the metrics alone cost,
+everything else equal). Also the
 model FLOP/s of (b) (6 * parameters * tokens plus attention) against this machine's fp32
 matrix-multiply rate measured in the same run. --sweep N adds the default 4-run sweep's wall time with
 the basic launcher and with hydra/launcher=local_parallel (median of N, interleaved). The last line is machine-readable:
@@ -100,6 +102,31 @@ def suite_step_times(model, batches, cfg, device, steps: int, log_every: int | N
         records = [r for r in read_jsonl(Path(tmp) / "metrics.jsonl") if "perf/tokens_per_s" in r]
     tokens = batches.batch_size * batches.train.inputs.shape[1]
     return [tokens / r["perf/tokens_per_s"] for r in records[1:]]
+
+
+def metrics_cost(base, batches, cfg, device, steps: int, repeats: int) -> dict[str, float]:
+    """The suite's own loop timed whole (wall time / steps, the final eval included alike) with metrics
+    off, at the default logging, and every step: what the metrics cost, with everything else equal."""
+    from experiments.grads import GradPipeline
+    from experiments.optim import build_optimizer
+    from experiments.parallel import Ranks
+    from experiments.train import train
+
+    settings = {"metrics off": (10**9, None), f"every {cfg.log_every} steps (default)": (cfg.log_every,
+                cfg.adam_stats_every), "every step": (1, cfg.adam_stats_every)}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    for _ in range(repeats):  # interleaved
+        for name, (log_every, adam_stats_every) in settings.items():
+            model = copy.deepcopy(base)
+            optimizer = build_optimizer(cfg.optimizer, list(model.parameters()))
+            start = time.perf_counter()
+            train(model, optimizer, batches, GradPipeline(cfg.world_size, cfg.fix, cfg.scale), None,
+                  Ranks(world_size=cfg.world_size), steps=steps, grad_accum=1, log_every=log_every,
+                  eval_every=steps, eval_batches=1, adam_stats_every=adam_stats_every,
+                  autocast=autocast_for(cfg, device), device=device)
+            sync(device)
+            times[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def hf_trainer_step_times(model, batches, cfg, device, steps: int) -> list[float]:
@@ -226,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
 
     step = {name: statistics.median(m) for name, m in medians.items()}
     tokens_per_s = {name: tokens_per_step / t for name, t in step.items()}
+    cost = metrics_cost(base, batches, cfg, device, args.steps, args.repeats)
+    print("\n| suite loop, metrics | ms/step | vs metrics off |\n|---|---|---|")
+    for name, t in cost.items():
+        print(f"| {name} | {1e3 * t:.2f} | {t / cost['metrics off']:.3f} |")
     peak = matmul_flops(device)
     suite_flops = model_flops_per_token(cfg, n_params) * tokens_per_s["suite"]
     print("\n| loop | ms/step | tokens/s | vs bare |\n|---|---|---|---|")
