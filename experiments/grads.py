@@ -82,15 +82,18 @@ class GradPipeline:
 
     @torch.no_grad()
     def apply(
-        self, params: list[torch.Tensor], num_tokens: int, ranks: Ranks | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, params: list[torch.Tensor], num_tokens: int, ranks: Ranks | None = None, measure: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
         """Normalize, scale and (optionally) clip the gradients in place.
 
-        Returns the pre-clip grad norm and whether clipping acted, as 0-d tensors (no host sync).
+        Returns the pre-clip grad norm and whether clipping acted, as 0-d tensors (no host sync). Without
+        clipping the norm is computed only when `measure` (a logged step): (None, False) otherwise.
         """
         ranks = ranks or Ranks(world_size=self.world_size)
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, self.factor(num_tokens, ranks_averaged=ranks.real))
+        if self.clip_grad_norm is None and not measure:
+            return None, False
         norm = total_norm(grads, ranks)
         if self.clip_grad_norm is None:
             return norm, torch.zeros((), dtype=torch.bool, device=norm.device)

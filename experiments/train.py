@@ -72,10 +72,10 @@ def train(
         inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
         loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, grad_accum, autocast,
                                                     device)
-        grad_norm, clipped = pipeline.apply(params, num_tokens, ranks)
+        logging_step = step % log_every == 0 or step == steps - 1
+        grad_norm, clipped = pipeline.apply(params, num_tokens, ranks, measure=logging_step)
         clipped_steps += clipped
 
-        logging_step = step % log_every == 0 or step == steps - 1
         if logging_step:  # a copy of the weights, only on logged steps, to measure the update
             before = [p.detach().clone() for p in params]
         optimizer.step()

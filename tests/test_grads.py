@@ -102,3 +102,17 @@ def test_clipping_reports_pre_clip_norm_and_caps_the_gradient(model_and_batch):
     summed_grads(net, inputs, targets)
     _, clipped = GradPipeline(8, True, scale=1e-6, clip_grad_norm=0.5).apply(params, count_trained_tokens(targets))
     assert not bool(clipped)
+
+
+def test_unlogged_steps_skip_the_norm_unless_clipping_needs_it(model_and_batch):
+    net, (inputs, targets) = model_and_batch
+    params = trainable(net)
+    summed_grads(net, inputs, targets)
+    expected = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, fix=True, scale=3.0))
+    summed_grads(net, inputs, targets)
+    assert GradPipeline(8, True, scale=3.0).apply(params, count_trained_tokens(targets), measure=False) == (None, False)
+    assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))  # scaled all the same
+    summed_grads(net, inputs, targets)
+    norm, clipped = GradPipeline(8, True, scale=3.0, clip_grad_norm=1e-3).apply(
+        params, count_trained_tokens(targets), measure=False)
+    assert bool(clipped) and norm.item() > 1e-3  # clipping needs the norm on every step
