@@ -16,15 +16,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temporary file and rename: readers see the old file or the new one, never half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.write("\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def _json_number(value: float) -> float | str:
@@ -90,9 +93,7 @@ class RunLog:
                         kept.append(line + "\n")
                 except (ValueError, KeyError):  # a line torn by the kill
                     continue
-            tmp = path.with_name(f".{name}.tmp{os.getpid()}")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, path)
+            write_text_atomic(path, "".join(kept))
         self._metrics.close()
         self._metrics = open(self.metrics_path, "a", buffering=1)
 

@@ -59,9 +59,7 @@ def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -
 
     wanted = {result_overrides(job): cfg for job, cfg in jobs.items()}
     for job_dir in job_dirs(sweep_dir):
-        overrides_file = job_dir / ".hydra" / "overrides.yaml"
-        done = result_overrides(OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists()
-                                else [])
+        done = result_overrides(job_overrides(job_dir))
         if done not in wanted:
             raise ConfigError(f"error: hydra.sweep.dir={str(sweep_dir)!r} holds runs of another sweep "
                               f"({job_dir.name}); re-run its own command, or choose a new hydra.sweep.dir")
@@ -91,6 +89,12 @@ def _result_config(cfg: DictConfig) -> dict[str, Any]:
     return flat
 
 
+def job_overrides(job_dir: Path) -> list[str]:
+    """The job's command-line overrides, as Hydra saved them ([] when it has none saved)."""
+    overrides_file = job_dir / ".hydra" / "overrides.yaml"
+    return list(OmegaConf.to_container(OmegaConf.load(overrides_file))) if overrides_file.exists() else []
+
+
 def job_dirs(sweep_dir: Path) -> list[Path]:
     """Job folders of a sweep in job order (their names start with Hydra's job number)."""
 
@@ -105,8 +109,7 @@ def sweep_runs(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per job folder in the sweep: its overrides and what its summary.json says."""
     rows = []
     for job_dir in job_dirs(sweep_dir):
-        overrides_file = job_dir / ".hydra" / "overrides.yaml"
-        overrides = OmegaConf.to_container(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+        overrides = job_overrides(job_dir)
         summary_file = job_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {"status": "interrupted"}
         rows.append({**summary, "dir": job_dir.name, "overrides": " ".join(overrides)})

@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -57,7 +58,7 @@ def train(
     device: torch.device,
     start: LoopState | None = None,
     checkpoint_every: int | None = None,
-    run_dir=None,
+    run_dir: Path | None = None,
 ) -> TrainResult:
     """start: where a resumed run stands (checkpoint.load); checkpoints go to run_dir every checkpoint_every."""
     model.train()
