@@ -1,20 +1,24 @@
 """Benchmark: the suite's training step against a bare PyTorch loop and the Hugging Face Trainer.
 
-    python scripts/bench.py [OVERRIDES ...] [--steps 20] [--repeats 5] [--sweep N]
+    python scripts/bench.py [OVERRIDES ...] [--steps 50] [--repeats 10] [--sweep N]
 
-In one process, on the same model (same init), batches and optimizer (AdamW, foreach), interleaved and
-repeated (median of --repeats), it times per optimizer step:
-  (a) bare:       forward, token-mean loss, backward, optimizer.step, zero_grad; nothing else
-  (b) suite:      experiments.train.train with every metric on (grad norm, update RMS, parameter norm,
-                  Adam state statistics, sqrt(v_hat) quantiles, metrics.jsonl written line by line), logged
-                  every log_every = 5 steps as the suite runs by default; suite_every_step: logged every step
-  (c) hf_trainer: transformers.Trainer on the same model and batches, logging and saving off
-Step times are medians over steps 1..N-1 of each repeat (step 0 warms up), then over repeats. Then the
-suite's own loop with metrics off, at the default logging and every step (what the metrics alone cost,
-everything else equal). Also the
-model FLOP/s of (b) (6 * parameters * tokens plus attention) against this machine's fp32
-matrix-multiply rate measured in the same run. --sweep N adds the default 4-run sweep's wall time with
-the basic launcher and with hydra/launcher=local_parallel (median of N, interleaved). The last line is machine-readable:
+In one process, on the same model (same init), batches and optimizer (the suite's AdamW, foreach), it
+times per optimizer step:
+  bare                      forward, token-mean loss, backward, optimizer.step, zero_grad; nothing else
+  suite                     experiments.train.train as a run calls it: every metric on (grad norm, update
+                            RMS, parameter norm, Adam state statistics; metrics.jsonl written line by line)
+                            every log_every = 5 steps, sqrt(v_hat) quantiles and a checkpoint every 50
+  suite, logged every step  the same with log_every = 1
+  suite, metrics off        the same loop with no metrics, statistics or checkpoints: what they cost
+  hf_trainer                transformers.Trainer on the same model, batches and optimizer, logging off
+The loops run interleaved, log_every steps at a time each, in their own greenlets (Interleaved), after
+5 warm-up steps; the order is rotated each repeat. Ratios are taken within each repeat and their median
+over repeats is reported with a 95% bootstrap interval: the machine's noise, made visible. With the
+default 50 timed steps the suite logs, keeps statistics and checkpoints in the proportions of a real
+run. Also the model FLOP/s of the suite (6 * parameters * tokens plus attention) against this
+machine's fp32 matrix-multiply rate measured in the same run. --sweep N adds the default 4-run sweep's
+wall time with the basic launcher and with hydra/launcher=local_parallel (median of N, interleaved).
+The last line is machine-readable:
     suite/bare=<step-time ratio> suite/hf_trainer=<tokens/s ratio> utilization=<fraction>
 OVERRIDES are the suite's (model=..., batch_size=..., device=..., precision=...); default: its defaults.
 """
@@ -27,6 +31,7 @@ import copy
 import functools
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -34,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import greenlet
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,13 +64,65 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bare_step_times(model, batches, cfg, device, steps: int) -> list[float]:
-    from experiments.grads import token_loss_sum
-    from experiments.optim import build_optimizer
+class Interleaved:
+    """Runs the loops in turn, `block` optimizer steps at a time, each in its own greenlet on this one
+    thread (one intra-op thread pool; nothing runs concurrently). A block is timed from the moment its
+    loop is resumed to the end of its block's last optimizer step (the device synchronized there, and
+    only there), so all a loop does once per step is in its blocks: data, forward, backward, the
+    gradient pipeline, the step, and the suite's logging, statistics and checkpoint where due. A slow
+    stretch of the machine lasts over several loops' blocks and hits them alike. The first `warmup`
+    steps of each loop, and whatever it does after its last timed step, are not timed."""
 
-    optimizer = build_optimizer(cfg.optimizer, list(model.parameters()))  # the same AdamW as the suite's
+    def __init__(self, warmup: int, steps: int, block: int, device: torch.device):
+        self.warmup, self.steps, self.block, self.device = warmup, steps, block, device
+        self.loops: dict[str, dict] = {}
+
+    def add(self, name: str, loop, optimizer: torch.optim.Optimizer) -> None:
+        """loop: a function of no arguments that runs warmup + steps steps of `optimizer`."""
+        state = {"calls": 0, "seconds": 0.0, "greenlet": greenlet.greenlet(loop)}
+        inner = optimizer.step
+
+        @functools.wraps(inner)
+        def step(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            state["calls"] += 1
+            timed = state["calls"] - self.warmup
+            if timed == 0 or (0 < timed <= self.steps and (timed % self.block == 0 or timed == self.steps)):
+                sync(self.device)
+                grad_enabled = torch.is_grad_enabled()  # thread-local, so shared by the greenlets
+                greenlet.getcurrent().parent.switch()
+                torch.set_grad_enabled(grad_enabled)
+            return out
+
+        optimizer.step = step
+        self.loops[name] = state
+
+    def run(self) -> dict[str, float]:
+        """Seconds per step of each loop, its timed blocks summed over its timed steps."""
+        for state in self.loops.values():
+            self.resume(state)  # its warm-up
+        pending = list(self.loops.values())
+        while pending:
+            for state in list(pending):
+                start = time.perf_counter()
+                self.resume(state)
+                state["seconds"] += time.perf_counter() - start
+                if state["calls"] == self.warmup + self.steps:
+                    pending.remove(state)
+                    state["greenlet"].switch()  # the rest of the loop (final eval, closing the log), untimed
+        return {name: state["seconds"] / self.steps for name, state in self.loops.items()}
+
+    def resume(self, state: dict) -> None:
+        state["greenlet"].switch()
+        if state["greenlet"].dead and state["calls"] < self.warmup + self.steps:
+            raise RuntimeError(f"a loop ended after {state['calls']} optimizer steps, not {self.warmup + self.steps}")
+
+
+def bare_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
+    """Forward, token-mean loss, backward, step, zero_grad: nothing else."""
+    from experiments.grads import token_loss_sum
+
     autocast = autocast_for(cfg, device)
-    times, last = [], time.perf_counter()
     for step in range(steps):
         inputs, targets = (t.to(device) for t in batches.train_batch(step))
         with autocast:
@@ -73,77 +131,32 @@ def bare_step_times(model, batches, cfg, device, steps: int) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-    return times[1:]
 
 
-def suite_step_times(model, batches, cfg, device, steps: int, log_every: int | None = None) -> list[float]:
-    """The suite's own loop with every metric on, logged every cfg.log_every steps (the default, 5) or
-    every step; step times from its own perf/tokens_per_s (each logged window's mean step time)."""
+def suite_loop(model, optimizer, batches, cfg, device, steps: int, log_every: int | None = None,
+               metrics: bool = True) -> None:
+    """experiments.train.train as a run calls it: metrics.jsonl, Adam statistics and checkpoints at the
+    config's intervals (logged every cfg.log_every steps, or every `log_every`); metrics=False: none of
+    them (only the warm-up and the last step log, outside the clock's interval)."""
     from experiments.grads import GradPipeline
     from experiments.metrics import RunLog
-    from experiments.optim import build_optimizer
     from experiments.parallel import Ranks
     from experiments.train import train
 
-    optimizer = build_optimizer(cfg.optimizer, list(model.parameters()))
-    pipeline = GradPipeline(cfg.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm)
     with tempfile.TemporaryDirectory() as tmp:
-        run_log = RunLog(Path(tmp), cfg.wandb, name="bench", group=None, tags=[], config={})
-        train(model, optimizer, batches, pipeline, run_log, Ranks(world_size=cfg.world_size), steps=steps,
-              grad_accum=1, log_every=log_every or cfg.log_every, eval_every=steps, eval_batches=1,
-              adam_stats_every=cfg.adam_stats_every, autocast=autocast_for(cfg, device), device=device)
-        run_log.finish({})
-        from analysis.load import read_jsonl
-
-        records = [r for r in read_jsonl(Path(tmp) / "metrics.jsonl") if "perf/tokens_per_s" in r]
-    tokens = batches.batch_size * batches.train.inputs.shape[1]
-    return [tokens / r["perf/tokens_per_s"] for r in records[1:]]
+        run_log = RunLog(Path(tmp), cfg.wandb, name="bench", group=None, tags=[], config={}) if metrics else None
+        train(model, optimizer, batches, GradPipeline(cfg.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm),
+              run_log, Ranks(world_size=cfg.world_size), steps=steps, grad_accum=1,
+              log_every=(log_every or cfg.log_every) if metrics else steps, eval_every=steps, eval_batches=1,
+              adam_stats_every=cfg.adam_stats_every if metrics else None, autocast=autocast_for(cfg, device),
+              device=device, checkpoint_every=cfg.checkpoint_every if metrics else None, run_dir=Path(tmp))
+        if run_log is not None:
+            run_log.finish({})
 
 
-def metrics_cost(base, batches, cfg, device, steps: int, repeats: int) -> dict[str, float]:
-    """The suite's own loop timed whole (wall time / steps, the final eval included alike) with metrics
-    off, at the default logging, and every step: what the metrics cost, with everything else equal."""
-    from experiments.grads import GradPipeline
-    from experiments.optim import build_optimizer
-    from experiments.parallel import Ranks
-    from experiments.train import train
-
-    settings = {"metrics off": (10**9, None), f"every {cfg.log_every} steps (default)": (cfg.log_every,
-                cfg.adam_stats_every), "every step": (1, cfg.adam_stats_every)}
-    times: dict[str, list[float]] = {name: [] for name in settings}
-    for _ in range(repeats):  # interleaved
-        for name, (log_every, adam_stats_every) in settings.items():
-            model = copy.deepcopy(base)
-            optimizer = build_optimizer(cfg.optimizer, list(model.parameters()))
-            start = time.perf_counter()
-            train(model, optimizer, batches, GradPipeline(cfg.world_size, cfg.fix, cfg.scale), None,
-                  Ranks(world_size=cfg.world_size), steps=steps, grad_accum=1, log_every=log_every,
-                  eval_every=steps, eval_batches=1, adam_stats_every=adam_stats_every,
-                  autocast=autocast_for(cfg, device), device=device)
-            sync(device)
-            times[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def hf_trainer_step_times(model, batches, cfg, device, steps: int) -> list[float]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.times, self.last = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.last = self.last or time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync(device)
-            now = time.perf_counter()
-            self.times.append(now - self.last)
-            self.last = now
+def hf_trainer_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
+    """transformers.Trainer on the same batches and optimizer, logging and saving off."""
+    from transformers import Trainer, TrainingArguments
 
     # HF shifts labels inside the model: label t is the input t, masked where our target t-1 is masked
     rows = []
@@ -151,18 +164,22 @@ def hf_trainer_step_times(model, batches, cfg, device, steps: int) -> list[float
         inputs, targets = batches.train_batch(step)
         labels = torch.cat([torch.full_like(targets[:, :1], -100), targets[:, :-1]], dim=1)
         rows += [{"input_ids": i, "labels": label} for i, label in zip(inputs, labels)]
-    clock = StepClock()
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=batches.batch_size, max_steps=steps,
-            learning_rate=cfg.optimizer.lr, adam_beta1=cfg.optimizer.betas[0], adam_beta2=cfg.optimizer.betas[1],
-            adam_epsilon=cfg.optimizer.eps, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
-            max_grad_norm=0.0, logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True,
-            dataloader_num_workers=0, use_cpu=device.type == "cpu", bf16=cfg.precision == "bf16",
-            seed=cfg.seed, optim="adamw_torch",
+            lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0, logging_strategy="no",
+            save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
+            use_cpu=device.type == "cpu", bf16=cfg.precision == "bf16", seed=cfg.seed,
         )
-        Trainer(model=model, args=args, train_dataset=rows, callbacks=[clock]).train()
-    return clock.times[1:]
+        Trainer(model=model, args=args, train_dataset=rows, optimizers=(optimizer, None)).train()
+
+
+def median_interval(values: list[float], resamples: int = 2000, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the median: how far the reported ratio may be off by noise alone."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
 def autocast_for(cfg, device):
@@ -211,18 +228,23 @@ def sweep_wall_times(repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+WARMUP = 5  # steps per loop before its clock starts: allocator, caches, the suite's step-0 record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="the suite's config overrides, e.g. model=llama3_2_1b")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per timed run (>= 3)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved repeats; the median is reported")
+    parser.add_argument("--steps", type=int, default=50, help="timed optimizer steps per run (>= 1), after "
+                        f"{WARMUP} warm-up steps")
+    parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats; medians are reported")
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time the default sweep, sequential and parallel, N times each")
     args = parser.parse_args(argv)
-    if args.steps < 3 or args.repeats < 1:
-        parser.error(f"--steps={args.steps} must be >= 3 and --repeats={args.repeats} >= 1")
+    if args.steps < 1 or args.repeats < 1:
+        parser.error(f"--steps={args.steps} must be >= 1 and --repeats={args.repeats} >= 1")
 
     from experiments import data, model, parallel
+    from experiments.optim import build_optimizer
 
     cfg = compose(args.overrides)
     device = parallel.device_for(cfg.device)
@@ -233,43 +255,58 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in base.parameters())
     tokens_per_step = cfg.batch_size * cfg.seq_len
     print(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, {device}, "
-          f"{torch.get_num_threads()} threads, {cfg.precision}; {args.steps} steps x {args.repeats} repeats",
-          flush=True)
+          f"{torch.get_num_threads()} threads, {cfg.precision}; {WARMUP} + {args.steps} steps x {args.repeats} "
+          "repeats", flush=True)
 
-    variants = {"bare": bare_step_times, "suite": suite_step_times,
-                "suite_every_step": functools.partial(suite_step_times, log_every=1),
-                "hf_trainer": hf_trainer_step_times}
-    medians: dict[str, list[float]] = {name: [] for name in variants}
+    loops = {
+        "bare": bare_loop,
+        "suite": suite_loop,
+        "suite, logged every step": functools.partial(suite_loop, log_every=1),
+        "suite, metrics off": functools.partial(suite_loop, metrics=False),
+        "hf_trainer": hf_trainer_loop,
+    }
+    step_s: dict[str, list[float]] = {name: [] for name in loops}
     for repeat in range(args.repeats):
-        # interleaved, and the order rotated each repeat: drifts in machine speed and whatever the
-        # previous loop left behind (allocator, caches) hit all three alike
-        order = list(variants)[repeat % len(variants):] + list(variants)[:repeat % len(variants)]
+        # the order rotated each repeat: whatever the previous loop's block left behind (allocator,
+        # caches) does not always fall on the same loop
+        order = list(loops)[repeat % len(loops):] + list(loops)[:repeat % len(loops)]
+        interleaved = Interleaved(WARMUP, args.steps, cfg.log_every, device)
         for name in order:
-            timed = variants[name]
-            times = timed(copy.deepcopy(base), batches, cfg, device, args.steps)
-            medians[name].append(statistics.median(times))
+            run_model = copy.deepcopy(base)
+            optimizer = build_optimizer(cfg.optimizer, list(run_model.parameters()))  # the suite's AdamW
+            interleaved.add(name, functools.partial(loops[name], run_model, optimizer, batches, cfg, device,
+                                                    WARMUP + args.steps), optimizer)
+        for name, seconds in interleaved.run().items():
+            step_s[name].append(seconds)
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(
-            f"{n} {1e3 * m[-1]:.1f} ms/step" for n, m in medians.items()), flush=True)
+            f"{name} {1e3 * times[-1]:.1f}" for name, times in step_s.items()) + " ms/step", flush=True)
 
-    step = {name: statistics.median(m) for name, m in medians.items()}
-    tokens_per_s = {name: tokens_per_step / t for name, t in step.items()}
-    cost = metrics_cost(base, batches, cfg, device, args.steps, args.repeats)
-    print("\n| suite loop, metrics | ms/step | vs metrics off |\n|---|---|---|")
-    for name, t in cost.items():
-        print(f"| {name} | {1e3 * t:.2f} | {t / cost['metrics off']:.3f} |")
+    # ratios within a repeat (paired): what is left of the machine's drift cancels out of them
+    def paired(numerator: str, denominator: str) -> list[float]:
+        return [n / d for n, d in zip(step_s[numerator], step_s[denominator])]
+
+    def spread(ratios: list[float]) -> str:
+        low, high = median_interval(ratios)
+        return f"{statistics.median(ratios):.3f} [{low:.3f}, {high:.3f}]"
+
+    print("\n| loop | ms/step | tokens/s | vs bare | vs suite, metrics off |\n|---|---|---|---|---|")
+    for name in loops:
+        ms = 1e3 * statistics.median(step_s[name])
+        print(f"| {name} | {ms:.2f} | {tokens_per_step / ms * 1e3:,.0f} | {spread(paired(name, 'bare'))} | "
+              f"{spread(paired(name, 'suite, metrics off'))} |")
+    print("(medians over repeats; ratios: median of the per-repeat ratios of step times [its 95% bootstrap interval])")
+
+    suite_over_bare = statistics.median(paired("suite", "bare"))
+    suite_over_hf = statistics.median(paired("hf_trainer", "suite"))  # tokens/s ratio = inverse step-time ratio
     peak = matmul_flops(device)
-    suite_flops = model_flops_per_token(cfg, n_params) * tokens_per_s["suite"]
-    print("\n| loop | ms/step | tokens/s | vs bare |\n|---|---|---|---|")
-    for name in variants:
-        print(f"| {name} | {1e3 * step[name]:.2f} | {tokens_per_s[name]:,.0f} | {step[name] / step['bare']:.3f} |")
+    suite_flops = model_flops_per_token(cfg, n_params) * tokens_per_step / statistics.median(step_s["suite"])
     print(f"\nsuite model FLOP/s: {suite_flops / 1e9:.2f} GFLOP/s; measured fp32 matmul (1024^3): "
           f"{peak / 1e9:.1f} GFLOP/s; utilization {suite_flops / peak:.3f}")
     if args.sweep:
         walls = sweep_wall_times(args.sweep)
         print(f"default sweep: sequential {walls['sequential']:.1f} s, parallel {walls['parallel']:.1f} s "
               f"(parallel/sequential {walls['parallel'] / walls['sequential']:.2f})")
-    print(f"suite/bare={step['suite'] / step['bare']:.4f} "
-          f"suite/hf_trainer={tokens_per_s['suite'] / tokens_per_s['hf_trainer']:.4f} "
+    print(f"suite/bare={suite_over_bare:.4f} suite/hf_trainer={suite_over_hf:.4f} "
           f"utilization={suite_flops / peak:.4f}")
     return 0
 
