@@ -1,6 +1,6 @@
 """Benchmark: the suite's training step against a bare PyTorch loop and the Hugging Face Trainer.
 
-    python scripts/bench.py [OVERRIDES ...] [--steps 50] [--repeats 10] [--sweep N]
+    python scripts/bench.py [OVERRIDES ...] [--steps 50] [--repeats 10] [--allocator N] [--sweep N]
 
 In one process, on the same model (same init), batches and optimizer (the suite's AdamW, foreach), it
 times per optimizer step:
@@ -16,8 +16,11 @@ The loops run interleaved, log_every steps at a time each, in their own greenlet
 over repeats is reported with a 95% bootstrap interval: the machine's noise, made visible. With the
 default 50 timed steps the suite logs, keeps statistics and checkpoints in the proportions of a real
 run. Also the model FLOP/s of the suite (6 * parameters * tokens plus attention) against this
-machine's fp32 matrix-multiply rate measured in the same run. --sweep N adds the default 4-run sweep's
-wall time with the basic launcher and with hydra/launcher=local_parallel (median of N, interleaved).
+machine's fp32 matrix-multiply rate measured in the same run. Every loop runs with the suite's
+process setting (experiments.run.keep_freed_memory; set GLIBC_TUNABLES to run them all without it);
+--allocator N times the default run with glibc's malloc settings against the suite's, and --sweep N the
+default 4-run sweep with the basic launcher against hydra/launcher=local_parallel: wall times, start-up
+included, median of N, interleaved.
 The last line is machine-readable:
     suite/bare=<step-time ratio> suite/hf_trainer=<tokens/s ratio> utilization=<fraction>
 OVERRIDES are the suite's (model=..., batch_size=..., device=..., precision=...); default: its defaults.
@@ -44,6 +47,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from experiments import run  # noqa: E402  (after the path: the script runs from anywhere)
 
 
 def compose(overrides: list[str]):
@@ -156,7 +161,7 @@ def suite_loop(model, optimizer, batches, cfg, device, steps: int, log_every: in
 
 def hf_trainer_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
     """transformers.Trainer on the same batches and optimizer, logging and saving off."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainingArguments
 
     # HF shifts labels inside the model: label t is the input t, masked where our target t-1 is masked
     rows = []
@@ -171,7 +176,9 @@ def hf_trainer_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
             save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
             use_cpu=device.type == "cpu", bf16=cfg.precision == "bf16", seed=cfg.seed,
         )
-        Trainer(model=model, args=args, train_dataset=rows, optimizers=(optimizer, None)).train()
+        trainer = Trainer(model=model, args=args, train_dataset=rows, optimizers=(optimizer, None))
+        trainer.remove_callback(PrinterCallback)  # its end-of-training line would break up the progress lines
+        trainer.train()
 
 
 def median_interval(values: list[float], resamples: int = 2000, level: float = 0.95) -> tuple[float, float]:
@@ -206,25 +213,36 @@ def model_flops_per_token(cfg, n_params: int) -> float:
     return 6 * n_params + 12 * m.num_hidden_layers * m.num_attention_heads * m.head_dim * cfg.seq_len
 
 
-def sweep_wall_times(repeats: int) -> dict[str, float]:
-    """The default 4-run sweep's wall time (start-up included), sequential (basic launcher) and in
-    parallel (hydra/launcher=local_parallel: 2 jobs, cores / 2 threads each); interleaved, median."""
-    times: dict[str, list[float]] = {"sequential": [], "parallel": []}
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each launcher's own threads
+GLIBC_DEFAULT_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536"}  # glibc's default, set: the suite leaves it
+SWEEP = ["-m", "optimizer=sgd,adamw", "scale=1,8"]
+WALL_TIMED = {
+    "allocator": {"default run, glibc's malloc settings": ([], GLIBC_DEFAULT_MALLOC),
+                  "default run, freed memory kept (the suite's)": ([], {})},
+    "sweep": {"default sweep, sequential": (SWEEP, {}),
+              "default sweep, parallel (local_parallel)": ([*SWEEP, "hydra/launcher=local_parallel"], {})},
+}
+
+
+def wall_times(variants: dict[str, tuple[list[str], dict]], repeats: int) -> dict[str, float]:
+    """Wall time of `python -m experiments.run ARGS` (start-up included) per variant, interleaved, median of
+    `repeats`. Each run gets its own threads and malloc settings (none inherited from this process)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    skip = {"OMP_NUM_THREADS", *run.GLIBC_MALLOC_ENV}
+    base_env = {k: v for k, v in os.environ.items() if k not in skip} | {"WANDB_MODE": "disabled"}
     for repeat in range(repeats):
-        for name, extra in (("sequential", []), ("parallel", ["hydra/launcher=local_parallel"])):
+        for name, (args, env) in variants.items():
             with tempfile.TemporaryDirectory() as tmp:
                 start = time.perf_counter()
                 proc = subprocess.run(
-                    [sys.executable, "-m", "experiments.run", "-m", "optimizer=sgd,adamw", "scale=1,8", *extra,
-                     "wandb.mode=disabled", f"hydra.sweep.dir={tmp}/sweep"],
-                    cwd=ROOT, capture_output=True, text=True, env={**env, "WANDB_MODE": "disabled"},
+                    [sys.executable, "-m", "experiments.run", *args, "wandb.mode=disabled",
+                     f"hydra.run.dir={tmp}/run", f"hydra.sweep.dir={tmp}/sweep"],
+                    cwd=ROOT, capture_output=True, text=True, env=base_env | env,
                 )
                 times[name].append(time.perf_counter() - start)
                 if proc.returncode != 0:
-                    raise SystemExit(f"error: the {name} sweep failed:\n{proc.stderr[-2000:]}")
-        print(f"default sweep, repeat {repeat + 1}/{repeats}: sequential {times['sequential'][-1]:.1f} s, "
-              f"parallel {times['parallel'][-1]:.1f} s", flush=True)
+                    raise SystemExit(f"error: {name} failed:\n{proc.stderr[-2000:]}")
+        print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(f"{name} {t[-1]:.1f} s" for name, t in times.items()),
+              flush=True)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -237,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50, help="timed optimizer steps per run (>= 1), after "
                         f"{WARMUP} warm-up steps")
     parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats; medians are reported")
+    parser.add_argument("--allocator", type=int, default=0, metavar="N", help="also time the default run with "
+                        "glibc's malloc settings and with the suite's (freed memory kept), N times each")
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time the default sweep, sequential and parallel, N times each")
     args = parser.parse_args(argv)
@@ -245,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from experiments import data, model, parallel
     from experiments.optim import build_optimizer
+
+    run.keep_freed_memory()  # as every suite job does, so every loop here runs with it
 
     cfg = compose(args.overrides)
     device = parallel.device_for(cfg.device)
@@ -302,10 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     suite_flops = model_flops_per_token(cfg, n_params) * tokens_per_step / statistics.median(step_s["suite"])
     print(f"\nsuite model FLOP/s: {suite_flops / 1e9:.2f} GFLOP/s; measured fp32 matmul (1024^3): "
           f"{peak / 1e9:.1f} GFLOP/s; utilization {suite_flops / peak:.3f}")
-    if args.sweep:
-        walls = sweep_wall_times(args.sweep)
-        print(f"default sweep: sequential {walls['sequential']:.1f} s, parallel {walls['parallel']:.1f} s "
-              f"(parallel/sequential {walls['parallel'] / walls['sequential']:.2f})")
+    for flag in ("allocator", "sweep"):
+        if getattr(args, flag):
+            walls = wall_times(WALL_TIMED[flag], getattr(args, flag))
+            first = next(iter(walls.values()))
+            print("\n| command | wall s | vs first |\n|---|---|---|")
+            for name, wall in walls.items():
+                print(f"| {name} | {wall:.1f} | {wall / first:.2f} |")
     print(f"suite/bare={suite_over_bare:.4f} suite/hf_trainer={suite_over_hf:.4f} "
           f"utilization={suite_flops / peak:.4f}")
     return 0

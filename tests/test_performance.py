@@ -1,4 +1,5 @@
-"""The benchmark script runs and ends with its machine-readable line; parallel sweep jobs share the cores.
+"""The benchmark script runs and ends with its machine-readable line; parallel sweep jobs share the cores;
+freed CPU memory stays in the process.
 (Speed itself is measured by scripts/bench.py, never asserted here.)"""
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
+from experiments.run import GLIBC_MALLOC_ENV
 from tests.conftest import OFFLINE_ENV, ROOT
 
 
@@ -49,3 +52,31 @@ def test_parallel_jobs_share_the_cores(monkeypatch):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(threads)
+
+
+FAULTS_PER_ALLOCATION = """
+import resource, torch
+from experiments.run import keep_freed_memory
+applied = keep_freed_memory()
+for _ in range(3):
+    torch.ones(16 << 20).sum()  # 64 MB: above the largest size glibc ever serves from its heap by default
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    torch.ones(16 << 20).sum()  # allocated, touched, freed
+print(applied, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt: Linux with glibc")
+def test_freed_memory_is_kept_unless_the_user_set_glibc_malloc():
+    def run(extra_env):
+        env = {k: v for k, v in os.environ.items() if k not in GLIBC_MALLOC_ENV}
+        proc = subprocess.run([sys.executable, "-c", FAULTS_PER_ALLOCATION], cwd=ROOT, env={**env, **extra_env},
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        applied, faults = proc.stdout.split()
+        return applied == "True", float(faults)
+
+    assert run({}) == (True, pytest.approx(0, abs=50))  # the 64 MB are reused: no page faults
+    applied, faults = run({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536"})  # glibc's default, set explicitly
+    assert not applied and faults > 10_000  # mmap'd and unmapped each time: 16,384 pages faulted in
