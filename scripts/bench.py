@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
 
     suite_over_bare = statistics.median(paired("suite", "bare"))
     suite_over_hf = statistics.median(paired("hf_trainer", "suite"))  # tokens/s ratio = inverse step-time ratio
+    print(f"\ntargets: suite/bare step time {spread(paired('suite', 'bare'))} (at most 1.03); suite/hf_trainer "
+          f"tokens/s {spread(paired('hf_trainer', 'suite'))} (at least 1)")
     peak = matmul_flops(device)
     suite_flops = model_flops_per_token(cfg, n_params) * tokens_per_step / statistics.median(step_s["suite"])
     print(f"\nsuite model FLOP/s: {suite_flops / 1e9:.2f} GFLOP/s; measured fp32 matmul (1024^3): "

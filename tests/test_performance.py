@@ -80,3 +80,13 @@ def test_freed_memory_is_kept_unless_the_user_set_glibc_malloc():
     assert run({}) == (True, pytest.approx(0, abs=50))  # the 64 MB are reused: no page faults
     applied, faults = run({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536"})  # glibc's default, set explicitly
     assert not applied and faults > 10_000  # mmap'd and unmapped each time: 16,384 pages faulted in
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 4097, 131072])
+def test_cpu_quantiles_are_torch_quantiles(n):
+    from experiments.optim import QUANTILES, quantiles
+
+    values = torch.rand(n, generator=torch.Generator().manual_seed(n)).square()  # skewed, like sqrt(v_hat)
+    values[: n // 3] = values[0]  # ties
+    expected = torch.quantile(values.double(), torch.tensor(QUANTILES, dtype=torch.float64))
+    assert torch.allclose(torch.tensor(quantiles(values, QUANTILES), dtype=torch.float64), expected, rtol=1e-6, atol=0)
