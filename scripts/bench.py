@@ -20,7 +20,7 @@ machine's fp32 matrix-multiply rate measured in the same run. Every loop runs wi
 process setting (experiments.run.keep_freed_memory; set GLIBC_TUNABLES to run them all without it);
 --allocator N times the default run with glibc's malloc settings against the suite's, and --sweep N the
 default 4-run sweep with the basic launcher against hydra/launcher=local_parallel: wall times, start-up
-included, median of N, interleaved.
+included, with the runs' page faults and kernel time, median of N, interleaved.
 The last line is machine-readable:
     suite/bare=<step-time ratio> suite/hf_trainer=<tokens/s ratio> utilization=<fraction>
 OVERRIDES are the suite's (model=..., batch_size=..., device=..., precision=...); default: its defaults.
@@ -35,6 +35,7 @@ import functools
 import math
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -223,27 +224,32 @@ WALL_TIMED = {
 }
 
 
-def wall_times(variants: dict[str, tuple[list[str], dict]], repeats: int) -> dict[str, float]:
-    """Wall time of `python -m experiments.run ARGS` (start-up included) per variant, interleaved, median of
-    `repeats`. Each run gets its own threads and malloc settings (none inherited from this process)."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
+def wall_times(variants: dict[str, tuple[list[str], dict]], repeats: int) -> dict[str, dict[str, float]]:
+    """Per variant, `python -m experiments.run ARGS` (start-up included), interleaved, median of `repeats`:
+    wall s, and from the child's resource usage its minor page faults and kernel CPU s. Each run gets its
+    own threads and malloc settings (none inherited from this process)."""
+    measured: dict[str, dict[str, list[float]]] = {name: {"wall s": [], "minor faults": [], "kernel s": []}
+                                                   for name in variants}
     skip = {"OMP_NUM_THREADS", *run.GLIBC_MALLOC_ENV}
     base_env = {k: v for k, v in os.environ.items() if k not in skip} | {"WANDB_MODE": "disabled"}
     for repeat in range(repeats):
         for name, (args, env) in variants.items():
             with tempfile.TemporaryDirectory() as tmp:
-                start = time.perf_counter()
+                usage, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
                 proc = subprocess.run(
                     [sys.executable, "-m", "experiments.run", *args, "wandb.mode=disabled",
                      f"hydra.run.dir={tmp}/run", f"hydra.sweep.dir={tmp}/sweep"],
                     cwd=ROOT, capture_output=True, text=True, env=base_env | env,
                 )
-                times[name].append(time.perf_counter() - start)
+                wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
                 if proc.returncode != 0:
                     raise SystemExit(f"error: {name} failed:\n{proc.stderr[-2000:]}")
-        print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(f"{name} {t[-1]:.1f} s" for name, t in times.items()),
-              flush=True)
-    return {name: statistics.median(t) for name, t in times.items()}
+            measured[name]["wall s"].append(wall)
+            measured[name]["minor faults"].append(after.ru_minflt - usage.ru_minflt)
+            measured[name]["kernel s"].append(after.ru_stime - usage.ru_stime)
+        print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
+            f"{name} {m['wall s'][-1]:.1f} s" for name, m in measured.items()), flush=True)
+    return {name: {key: statistics.median(values) for key, values in m.items()} for name, m in measured.items()}
 
 
 WARMUP = 5  # steps per loop before its clock starts: allocator, caches, the suite's step-0 record
@@ -328,11 +334,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{peak / 1e9:.1f} GFLOP/s; utilization {suite_flops / peak:.3f}")
     for flag in ("allocator", "sweep"):
         if getattr(args, flag):
-            walls = wall_times(WALL_TIMED[flag], getattr(args, flag))
-            first = next(iter(walls.values()))
-            print("\n| command | wall s | vs first |\n|---|---|---|")
-            for name, wall in walls.items():
-                print(f"| {name} | {wall:.1f} | {wall / first:.2f} |")
+            measured = wall_times(WALL_TIMED[flag], getattr(args, flag))
+            first = next(iter(measured.values()))["wall s"]
+            print("\n| command | wall s | vs first | minor page faults | kernel CPU s |\n|---|---|---|---|---|")
+            for name, m in measured.items():
+                print(f"| {name} | {m['wall s']:.1f} | {m['wall s'] / first:.2f} | {m['minor faults']:,.0f} | "
+                      f"{m['kernel s']:.1f} |")
     print(f"suite/bare={suite_over_bare:.4f} suite/hf_trainer={suite_over_hf:.4f} "
           f"utilization={suite_flops / peak:.4f}")
     return 0
