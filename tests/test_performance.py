@@ -4,6 +4,7 @@ freed CPU memory stays in the process.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ from experiments.run import GLIBC_MALLOC_ENV
 from tests.conftest import OFFLINE_ENV, ROOT
 
 
-def test_bench_runs_all_three_loops_and_ends_with_its_ratios(cache_dir):
+def test_bench_runs_every_loop_and_ends_with_its_ratios(cache_dir):
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
     proc = subprocess.run([sys.executable, "scripts/bench.py", "--steps", "2", "--repeats", "2", "batch_size=8",
                            "seq_len=64"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -90,3 +91,54 @@ def test_cpu_quantiles_are_torch_quantiles(n):
     values[: n // 3] = values[0]  # ties
     expected = torch.quantile(values.double(), torch.tensor(QUANTILES, dtype=torch.float64))
     assert torch.allclose(torch.tensor(quantiles(values, QUANTILES), dtype=torch.float64), expected, rtol=1e-6, atol=0)
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_interleaved_times_only_the_timed_steps_in_turns(monkeypatch):
+    """Two fake loops on a fake clock: each block of steps is billed to its own loop, warm-up and what a
+    loop does after its last timed step are not billed, and the loops take turns block by block."""
+    bench = load_bench()
+    clock, order = [0.0], []
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    warmup, steps, block = 2, 7, 3
+
+    class Optimizer:
+        def step(self):
+            pass
+
+    def make_loop(name, cost, optimizer):
+        def loop():
+            for step in range(warmup + steps):
+                clock[0] += 1000.0 if step < warmup else cost  # warm-up steps: slow, and not timed
+                order.append((name, step))
+                optimizer.step()
+            clock[0] += 1000.0  # after the last step (final eval, closing the log): not timed
+        return loop
+
+    interleaved = bench.Interleaved(warmup, steps, block, torch.device("cpu"))
+    for name, cost in (("a", 1.0), ("b", 2.5)):
+        optimizer = Optimizer()
+        interleaved.add(name, make_loop(name, cost, optimizer), optimizer)
+    assert interleaved.run() == {"a": 1.0, "b": 2.5}
+    turns = [name for i, (name, _) in enumerate(order) if i == 0 or order[i - 1][0] != name]
+    assert turns == ["a", "b"] + ["a", "b"] * 3  # warm-ups, then blocks of 3, 3 and the last 1 step
+
+
+def test_interleaved_refuses_a_loop_that_stops_early():
+    bench = load_bench()
+
+    class Optimizer:
+        def step(self):
+            pass
+
+    optimizer = Optimizer()
+    interleaved = bench.Interleaved(1, 5, 5, torch.device("cpu"))
+    interleaved.add("short", lambda: [optimizer.step() for _ in range(3)], optimizer)
+    with pytest.raises(RuntimeError, match="a loop ended after 3 optimizer steps, not 6"):
+        interleaved.run()
