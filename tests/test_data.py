@@ -114,3 +114,26 @@ def test_hf_data_loads_through_datasets_from_a_local_dataset_dir(tmp_path, token
     overrides = ["data=hf", f"data.hf_name={folder}", "data.prompt_field=instruction", "data.response_field=output"]
     examples = data.load_examples(cfg_for(overrides).data)
     assert examples == [{"prompt": r["instruction"], "response": r["output"]} for r in records]
+
+
+def test_tokenized_splits_are_reused_only_for_the_same_content(tokenizer, tmp_path, monkeypatch):
+    examples = data.pydoc_examples()[:300]
+    calls = []
+    encode = data.encode_examples
+    monkeypatch.setattr(data, "encode_examples", lambda *a: calls.append(1) or encode(*a))
+    monkeypatch.setattr(data, "_TOKENIZED", {})
+
+    def split(examples=examples, tok=tokenizer, train_on_input=False, seq_len=64, packed=False):
+        return data.tokenize_split(examples, tok, train_on_input, seq_len, packed)
+
+    first = split()
+    same_tokenizer_again = data.build_tokenizer(data.pydoc_examples(), 2048, None)  # a new object, same content
+    assert split(tok=same_tokenizer_again) is first and len(calls) == 1  # a later job of the sweep
+    fresh = data.to_sequences(encode(examples, tokenizer, False), 64, False, tokenizer.pad_token_id)
+    assert torch.equal(first.inputs, fresh.inputs) and torch.equal(first.targets, fresh.targets)
+    edited = [dict(examples[0], response="!" + examples[0]["response"]), *examples[1:]]
+    other_tokenizer = data.build_tokenizer(examples, 512, str(tmp_path))
+    variants = [split(train_on_input=True), split(seq_len=65), split(packed=True), split(examples=edited),
+                split(tok=other_tokenizer)]
+    assert len(calls) == 6 and all(v is not first for v in variants)  # every setting and content counts
+    assert not torch.equal(split(examples=edited).targets, first.targets)

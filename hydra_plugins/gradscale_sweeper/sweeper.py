@@ -78,6 +78,10 @@ class GradscaleSweeper(BasicSweeper):
         check_same_sweep(sweep_dir, configs)
         return jobs
 
+    def validate_batch_is_legal(self, batch) -> None:
+        """Hydra composes every job once more here only to see that it composes: _checked_jobs has composed
+        and range-checked them all before any ran (a third of a smoke preset's time went to this)."""
+
     def _launch(self, arguments: list[str]) -> Any:
         sweep_dir = Path(self.config.hydra.sweep.dir)
         try:
