@@ -104,6 +104,15 @@ def load_examples(data_cfg) -> list[dict[str, str]]:
 # Tokenizer
 
 
+def content_digest(parts) -> str:
+    """sha256 over the strings, each ended by a NUL so that no two lists of parts run together."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def build_tokenizer(examples: list[dict[str, str]], vocab_size: int, cache_dir: str | None):
     """Byte-level BPE trained on the examples, cached by content; wrapped as PreTrainedTokenizerFast."""
     import tokenizers
@@ -111,12 +120,9 @@ def build_tokenizer(examples: list[dict[str, str]], vocab_size: int, cache_dir: 
     from transformers import PreTrainedTokenizerFast
 
     texts = [PROMPT_TEMPLATE.format(prompt=e["prompt"]) + e["response"] for e in examples]
-    digest = hashlib.sha256()
-    for part in (str(vocab_size), tokenizers.__version__, *texts):
-        digest.update(part.encode())
-        digest.update(b"\0")
+    digest = content_digest([str(vocab_size), tokenizers.__version__, *texts])
     cache = Path(cache_dir or os.environ.get("GRADSCALE_CACHE") or Path.home() / ".cache" / "gradscale")
-    path = cache / f"tokenizer-bpe{vocab_size}-{digest.hexdigest()[:16]}.json"
+    path = cache / f"tokenizer-bpe{vocab_size}-{digest[:16]}.json"
     if path.exists():
         tok = Tokenizer.from_file(str(path))
     else:
@@ -257,20 +263,19 @@ _TOKENIZED_MAX = 4  # a train and an eval split of two settings; a sweep over da
 def tokenize_split(examples, tokenizer, train_on_input: bool, seq_len: int, packed: bool) -> TokenizedSplit:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)  # a slow (Python) tokenizer is not cached
-    if backend is None:
-        return to_sequences(encode_examples(examples, tokenizer, train_on_input), seq_len, packed, pad_id)
-    digest = hashlib.sha256()
-    settings = (backend.to_str(), tokenizer.bos_token_id, tokenizer.eos_token_id, pad_id, train_on_input, seq_len,
-                packed)
-    for part in (*map(str, settings), *(f"{e['prompt']}\0{e['response']}" for e in examples)):
-        digest.update(part.encode())
-        digest.update(b"\0")
-    key = digest.hexdigest()
-    if key not in _TOKENIZED:
+    key = None if backend is None else content_digest([
+        *map(str, (backend.to_str(), tokenizer.bos_token_id, tokenizer.eos_token_id, pad_id, train_on_input,
+                   seq_len, packed)),
+        *(f"{e['prompt']}\0{e['response']}" for e in examples),
+    ])
+    if key in _TOKENIZED:
+        return _TOKENIZED[key]
+    split = to_sequences(encode_examples(examples, tokenizer, train_on_input), seq_len, packed, pad_id)
+    if key is not None:
         if len(_TOKENIZED) >= _TOKENIZED_MAX:
             _TOKENIZED.clear()
-        _TOKENIZED[key] = to_sequences(encode_examples(examples, tokenizer, train_on_input), seq_len, packed, pad_id)
-    return _TOKENIZED[key]
+        _TOKENIZED[key] = split
+    return split
 
 
 def build_batches(examples, data_cfg, tokenizer, seq_len: int, batch_size: int, seed: int) -> Batches:

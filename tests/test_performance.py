@@ -100,6 +100,11 @@ def load_bench():
     return bench
 
 
+class FakeOptimizer:
+    def step(self):
+        pass
+
+
 def test_interleaved_times_only_the_timed_steps_in_turns(monkeypatch):
     """Two fake loops on a fake clock: each block of steps is billed to its own loop, warm-up and what a
     loop does after its last timed step are not billed, and the loops take turns block by block."""
@@ -107,10 +112,6 @@ def test_interleaved_times_only_the_timed_steps_in_turns(monkeypatch):
     clock, order = [0.0], []
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
     warmup, steps, block = 2, 7, 3
-
-    class Optimizer:
-        def step(self):
-            pass
 
     def make_loop(name, cost, optimizer):
         def loop():
@@ -123,7 +124,7 @@ def test_interleaved_times_only_the_timed_steps_in_turns(monkeypatch):
 
     interleaved = bench.Interleaved(warmup, steps, block, torch.device("cpu"))
     for name, cost in (("a", 1.0), ("b", 2.5)):
-        optimizer = Optimizer()
+        optimizer = FakeOptimizer()
         interleaved.add(name, make_loop(name, cost, optimizer), optimizer)
     assert interleaved.run() == {"a": 1.0, "b": 2.5}
     turns = [name for i, (name, _) in enumerate(order) if i == 0 or order[i - 1][0] != name]
@@ -132,12 +133,7 @@ def test_interleaved_times_only_the_timed_steps_in_turns(monkeypatch):
 
 def test_interleaved_refuses_a_loop_that_stops_early():
     bench = load_bench()
-
-    class Optimizer:
-        def step(self):
-            pass
-
-    optimizer = Optimizer()
+    optimizer = FakeOptimizer()
     interleaved = bench.Interleaved(1, 5, 5, torch.device("cpu"))
     interleaved.add("short", lambda: [optimizer.step() for _ in range(3)], optimizer)
     with pytest.raises(RuntimeError, match="a loop ended after 3 optimizer steps, not 6"):
