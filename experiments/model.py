@@ -1,4 +1,5 @@
-"""Llama 3.2 model: a random-init model built from the config's dimensions, or a local checkpoint.
+"""Llama 3.2 model: a checkpoint directory (experiments/weights.py says which), or a random init built
+from the config's dimensions.
 
 The architecture is transformers' LlamaForCausalLM as Llama 3.2 ships it: grouped-query attention,
 llama3 RoPE scaling (`rope_parameters`, transformers 5), tied embeddings, RMSNorm, SwiGLU MLP.
@@ -42,17 +43,18 @@ def llama_config(model_cfg):
     )
 
 
-def build_model(model_cfg, seed: int, device: torch.device) -> torch.nn.Module:
-    """Random init seeded by `seed` (identical across runs), or the weights at model.path."""
-    if model_cfg.path:
-        model = load_checkpoint(model_cfg.path)
+def build_model(model_cfg, seed: int, device: torch.device, checkpoint: str | None) -> torch.nn.Module:
+    """The weights in `checkpoint` (weights.checkpoint_dir), or a random init seeded by `seed` (identical
+    across runs) when it is None."""
+    if checkpoint:
+        model = load_checkpoint(checkpoint)
     else:
         torch.manual_seed(seed)
         from transformers import LlamaForCausalLM
 
         model = LlamaForCausalLM(llama_config(model_cfg))
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters", model_cfg.path or model_cfg.name, n_params / 1e6)
+    log.info("model %s: %.2fM parameters, %s", model_cfg.name, n_params / 1e6, checkpoint or "random init")
     return model.to(device=device, dtype=torch.float32)
 
 
@@ -73,7 +75,7 @@ def apply_finetune(model: torch.nn.Module, finetune_cfg) -> torch.nn.Module:
 
 
 def load_checkpoint(path: str) -> torch.nn.Module:
-    """Weights from a local directory (config.validate has checked the files are there); no network."""
+    """Weights from a local checkpoint directory; no network."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)

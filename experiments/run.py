@@ -51,7 +51,7 @@ def run(cfg: Config, run_log, overrides: list[str], run_dir: Path | None = None)
     run_dir: where checkpoints go (every cfg.checkpoint_every steps); a checkpoint there is resumed from."""
     import torch
 
-    from experiments import checkpoint, data, model, optim, parallel
+    from experiments import checkpoint, data, model, optim, parallel, weights
     from experiments.config import resolve_world_size
     from experiments.grads import GradPipeline
     from experiments.train import train
@@ -60,12 +60,13 @@ def run(cfg: Config, run_log, overrides: list[str], run_dir: Path | None = None)
     world_size = resolve_world_size(cfg.world_size, overrides)
     ranks = parallel.setup(cfg.dist.strategy, world_size, cfg.dist.timeout_s, device)
     examples = data.load_examples(cfg.data)
-    if cfg.model.path:
-        tokenizer = model.load_tokenizer(cfg.model.path)
+    source = weights.checkpoint_dir(cfg.model)  # fetched, converted or pretrained first when not cached
+    if source:
+        tokenizer = model.load_tokenizer(source)
     else:
         tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
     batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
-    net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, device), cfg.finetune)
+    net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, device, source), cfg.finetune)
     net = parallel.wrap(net, ranks)
     if cfg.compile:
         net = torch.compile(net)

