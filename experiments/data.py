@@ -326,7 +326,8 @@ def build_batches(examples, data_cfg, tokenizer, seq_len: int, batch_size: int, 
     trained = (batches.train.targets != IGNORE_INDEX).sum().item()
     log.info(
         "data %s (%s template): %d train / %d eval sequences of %d tokens, %.1f%% of train tokens trained",
-        data_cfg.name, template, len(batches.train), len(batches.eval), seq_len, 100 * trained / batches.train.targets.numel(),
+        data_cfg.name, template, len(batches.train), len(batches.eval), seq_len,
+        100 * trained / batches.train.targets.numel(),
     )
     return batches
 

@@ -43,7 +43,7 @@ def llama_config(model_cfg):
     )
 
 
-def build_model(model_cfg, seed: int, device: torch.device, checkpoint: str | None) -> torch.nn.Module:
+def build_model(model_cfg, seed: int, device: torch.device, checkpoint: str | None = None) -> torch.nn.Module:
     """The weights in `checkpoint` (weights.checkpoint_dir), or a random init seeded by `seed` (identical
     across runs) when it is None."""
     if checkpoint:

