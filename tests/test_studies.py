@@ -55,10 +55,21 @@ def run_preset(name: str, sweep_dir, cache_dir, *extra: str) -> subprocess.Compl
     )
 
 
+@pytest.fixture(scope="module")
+def gguf_stand_in(tmp_path_factory, cache_dir) -> list[str]:
+    """Presets on SmolLM2 run their smoke form on a tiny GGUF file written here (no fetch in tests)."""
+    from tests.helpers.tiny_gguf import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    write_tiny_gguf(path)
+    return [f"model.gguf_file={path}", "model.gguf_package=null"]
+
+
 @pytest.mark.parametrize("name", PRESETS)
-def test_preset_runs_whole_in_smoke_form_with_its_report(name, tmp_path, cache_dir):
+def test_preset_runs_whole_in_smoke_form_with_its_report(name, tmp_path, cache_dir, gguf_stand_in):
     sweep_dir = tmp_path / name
-    proc = run_preset(name, sweep_dir, cache_dir)
+    uses_gguf = compose([f"experiment={name}"]).model.gguf_file is not None
+    proc = run_preset(name, sweep_dir, cache_dir, *(gguf_stand_in if uses_gguf else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
     dirs = job_dirs(sweep_dir)
     assert len(dirs) == expected_jobs(name)
