@@ -65,6 +65,7 @@ def _run_row(run_dir: Path, name: str) -> dict:
         "run": name,
         "optimizer": opt.name,
         "finetune": OmegaConf.select(cfg, "finetune.name", default="full"),
+        "model": model_label(cfg.model),
         "lr": float(opt.lr),
         "eps": float(opt.eps) if "eps" in opt else float("nan"),
         "weight_decay": float(opt.weight_decay),
@@ -84,6 +85,16 @@ def _run_row(run_dir: Path, name: str) -> dict:
         "clipped_steps": summary.get("clipped_steps"),
         "path": str(run_dir),
     }
+
+
+def model_label(model_cfg) -> str:
+    """Which weights a run started from: the model's name, and for the tiny model whether its base was
+    pretrained or random (a user's model.path is named by its folder)."""
+    if OmegaConf.select(model_cfg, "path"):
+        return Path(model_cfg.path).name
+    if OmegaConf.select(model_cfg, "gguf_file"):
+        return str(model_cfg.name)
+    return f"{model_cfg.name} ({OmegaConf.select(model_cfg, 'init', default='random')} init)"
 
 
 def load(paths: list[str | Path] | str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

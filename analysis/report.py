@@ -19,7 +19,7 @@ import pandas as pd
 
 from analysis import plots
 from analysis.load import curve, equivalent_references, load, pair_references, read_jsonl
-from analysis.theory import breakdown_band, clipping_band, crossing
+from analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group
 
 log = logging.getLogger(__name__)
 DPI = 200
@@ -53,6 +53,35 @@ def measured_bands(runs: pd.DataFrame, curves: pd.DataFrame) -> dict[str, tuple[
         if per_step:
             bands[r.setup] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
     return bands
+
+
+GROUP_MULTIPLIERS = (1.0, 1 / 8, 1 / 64, 1 / 1024)  # c = 1, and the bug at world size 8, 64, 1024
+
+
+def eps_share_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per Adam-type reference run and tensor group, the share of coordinates with c * s < eps at the run's
+    last recorded step, for c = 1 and the world-size bug at N = 8, 64, 1024 (interpolated from each
+    tensor's measured sqrt(v_hat) quantiles: theory.share_below; 1% and 99% are bounds)."""
+    rows = []
+    references = runs[(runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens") & ~runs.eps.isna()]
+    for r in references.drop_duplicates("setup").itertuples():
+        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
+        if stats.empty:
+            continue
+        last = stats[stats.step == stats.step.max()]
+        last = last.assign(group=last.tensor.map(tensor_group))
+        for group, tensors in last.groupby("group"):
+            row = {"setup": r.setup, "model": r.model, "step": int(last.step.iloc[0]), "group": group,
+                   "coordinates": int(tensors.numel.sum())}
+            for c in GROUP_MULTIPLIERS:
+                shares = [share_below(t._asdict(), r.eps / c) for t in tensors.itertuples()]
+                row[f"c={_short_c(c)}"] = float(np.average(shares, weights=tensors.numel))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _short_c(c: float) -> str:
+    return "1" if c == 1 else f"1/{round(1 / c)}"
 
 
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
@@ -168,7 +197,8 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         print(f"wrote {path}")
     summary = summary_table(runs, curves)
     theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
-    run_columns = ["run", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
+    eps_shares = eps_share_table(runs)
+    run_columns = ["run", "model", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]
     lines = [
         "# gradscale report", "", f"Sweeps: {', '.join(str(p) for p in paths)}", "",
@@ -180,6 +210,11 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         "against the predicted band: eps/s for s between the q90 and q10 of the reference's sqrt(v_hat) "
         "(Adam), or max_norm/max ||g|| .. max_norm/min ||g|| of its grad norms (clipping).", "",
         _markdown(theory) if len(theory) else "No setup with a reference and two values of c_eff.", "",
+        "## eps-dominated share by tensor group", "",
+        "Share of coordinates with c * sqrt(v_hat) < eps at the reference's last recorded step, for c = 1 and the "
+        "world-size bug at N = 8, 64, 1024 (interpolated between each tensor's measured quantiles; 0.01 reads "
+        "'at most 1%', 0.99 'at least 99%').", "",
+        _markdown(eps_shares) if len(eps_shares) else "No Adam-type reference run with statistics.", "",
         "## Equivalences the theory calls exact", "",
         "SGD(lr, c) == SGD(lr*c, 1) and AdamW(c, eps) == AdamW(1, eps/c), for the pairs this sweep holds.", "",
         _markdown(equivalences) if len(equivalences) else "No such pair in this sweep.", "",

@@ -79,3 +79,30 @@ def crossing(c_values, deviations, threshold: float, side: str = "below") -> flo
                 t = (threshold - d[i - 1]) / (d[i] - d[i - 1])
             return float(np.exp(np.log(c[i - 1]) + t * (np.log(c[i]) - np.log(c[i - 1]))))
     return float("nan")
+
+
+QUANTILE_LEVELS = {"q01": 0.01, "q10": 0.10, "q50": 0.50, "q90": 0.90, "q99": 0.99}
+
+
+def share_below(quantiles: dict[str, float], threshold: float) -> float:
+    """Share of coordinates with s < threshold, from measured quantiles of s: the distribution function
+    interpolated linearly in log s between them. Outside [q01, q99] only a bound is known: the result is
+    clipped to [0.01, 0.99] (read 0.01 as "at most 1%", 0.99 as "at least 99%")."""
+    levels = [(quantiles[k], p) for k, p in QUANTILE_LEVELS.items() if quantiles.get(k, 0) > 0]
+    if not levels:  # every quantile is an exact zero: every coordinate is below any positive threshold
+        return 1.0
+    s, p = zip(*sorted(levels))
+    return float(np.interp(np.log(threshold), np.log(s), p))
+
+
+def tensor_group(name: str) -> str:
+    """The four groups the breakdown is reported by (LoRA adapters count with the layer they adapt)."""
+    if "embed" in name or "lm_head" in name:
+        return "embeddings / output"
+    if "norm" in name:
+        return "norms"
+    if "attn" in name or any(k in name for k in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention"
+    if "mlp" in name or any(k in name for k in ("gate_proj", "up_proj", "down_proj")):
+        return "MLP"
+    return "other"

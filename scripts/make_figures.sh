@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export WANDB_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precision}
+studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precision smollm2_world_size_fix smollm2_breakdown}
 for name in $studies; do
   rm -rf "multirun/figures/$name"
   STUDY_DIR="multirun/figures/$name" PYTHON="$PY" scripts/study.sh "$name" wandb.mode=disabled

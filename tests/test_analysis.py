@@ -236,3 +236,25 @@ def test_report_logs_one_offline_wandb_analysis_run(tiny_sweep, tmp_path, monkey
     assert main([str(tiny_sweep), "--out", str(tmp_path / "r"), "--wandb"]) == 0
     offline_runs = list((tmp_path / "r" / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
+
+
+def test_share_below_reads_the_distribution_off_the_quantiles():
+    from analysis.theory import share_below
+
+    q = {"q01": 1e-9, "q10": 1e-8, "q50": 1e-6, "q90": 1e-4, "q99": 1e-3}
+    assert share_below(q, 1e-8) == pytest.approx(0.10)
+    assert share_below(q, 1e-7) == pytest.approx(0.30)  # halfway between q10 and q50 in log s
+    assert share_below(q, 1e-12) == pytest.approx(0.01) and share_below(q, 1.0) == pytest.approx(0.99)  # bounds
+    assert share_below({k: 0.0 for k in q}, 1e-8) == 1.0
+
+
+@pytest.mark.parametrize(("name", "group"), [
+    ("model.embed_tokens.weight", "embeddings / output"), ("lm_head.weight", "embeddings / output"),
+    ("model.layers.3.self_attn.k_proj.weight", "attention"), ("model.layers.0.mlp.down_proj.weight", "MLP"),
+    ("model.layers.1.input_layernorm.weight", "norms"), ("model.norm.weight", "norms"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", "attention"),
+])
+def test_tensor_groups(name, group):
+    from analysis.theory import tensor_group
+
+    assert tensor_group(name) == group
