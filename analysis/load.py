@@ -19,8 +19,8 @@ from experiments.sweep import job_dirs
 
 log = logging.getLogger(__name__)
 
-RUN_COLUMNS = ("run", "optimizer", "finetune", "lr", "eps", "weight_decay", "scale", "fix", "world_size", "clip",
-               "precision", "normalization", "seed", "steps", "status", "final_loss", "best_eval_loss",
+RUN_COLUMNS = ("run", "optimizer", "finetune", "model", "lr", "eps", "weight_decay", "scale", "fix", "world_size",
+               "clip", "precision", "normalization", "seed", "steps", "status", "final_loss", "best_eval_loss",
                "diverged_at_step", "steps_done", "clipped_steps", "path")
 
 

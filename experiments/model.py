@@ -77,6 +77,9 @@ def apply_finetune(model: torch.nn.Module, finetune_cfg) -> torch.nn.Module:
 def load_checkpoint(path: str) -> torch.nn.Module:
     """Weights from a local checkpoint directory; no network."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # half a second of loading: a bar on stderr would only be noise
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
 

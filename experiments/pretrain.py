@@ -103,6 +103,7 @@ def all_cores():
 def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     import torch
     from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from experiments import data, optim, weights
     from experiments.config import AdamWConfig, WandbConfig
@@ -145,6 +146,7 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     if result.status != "completed":
         raise weights.WeightsError(f"error: pretraining the base diverged at step {result.diverged_at_step} "
                                    f"(model.pretrain.lr={pre.lr} is too high)")
+    hf_logging.disable_progress_bar()  # the progress lines above say enough
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     weights.publish(tmp, target)

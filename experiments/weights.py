@@ -147,7 +147,9 @@ def converted_gguf(model_cfg) -> Path:
             return target
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.enable_progress_bar()  # dequantizing takes a while: its bar is the progress output
         log.info("converting %s (%.0f MB) to an fp32 checkpoint -> %s", source.name, source.stat().st_size / 1e6,
                  target)
         quantized = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
