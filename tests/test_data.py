@@ -124,7 +124,7 @@ def test_tokenized_splits_are_reused_only_for_the_same_content(tokenizer, tmp_pa
     monkeypatch.setattr(data, "_TOKENIZED", {})
 
     def split(examples=examples, tok=tokenizer, train_on_input=False, seq_len=64, packed=False):
-        return data.tokenize_split(examples, tok, train_on_input, seq_len, packed)
+        return data.tokenize_split(examples, tok, train_on_input, seq_len, packed, "alpaca")
 
     first = split()
     same_tokenizer_again = data.build_tokenizer(data.pydoc_examples(), 2048, None)  # a new object, same content

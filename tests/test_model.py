@@ -69,10 +69,11 @@ def checkpoint(tmp_path, cache_dir):
 
 def test_model_path_loads_weights_and_tokenizer(checkpoint):
     from experiments.model import build_model, load_tokenizer
+    from experiments.weights import checkpoint_dir
 
     path, saved, saved_tokenizer = checkpoint
     _, cfg = build([f"model.path={path}"])
-    loaded = build_model(cfg.model, seed=0, device=torch.device("cpu"))  # the seed must not matter
+    loaded = build_model(cfg.model, seed=0, device=torch.device("cpu"), checkpoint=checkpoint_dir(cfg.model))
     for (name, x), (_, y) in zip(saved.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(x, y), name
     tokenizer = load_tokenizer(str(path))
