@@ -164,7 +164,7 @@ def pair_references(runs: pd.DataFrame) -> pd.Series:
 
 
 def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
-    """Pairs that the theory says train identically (DESIGN.md physics 2-3), with c_eff != 1 on one side:
+    """Pairs that the theory says train identically (docs/design.md physics 2-3), with c_eff != 1 on one side:
     SGD(lr, c) == SGD(lr*c, 1) without weight decay, AdamW(c, eps) == AdamW(1, eps/c); neither with
     clipping. Columns: run, equivalent (the c_eff = 1 run), rule."""
     keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]

@@ -144,7 +144,7 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
 
 def eps_collapse(runs: pd.DataFrame):
     """Final loss vs c_eff / eps, one line per eps: AdamW(c, eps) == AdamW(1, eps/c) says every run's
-    outcome depends on c / eps alone, so the lines fall on one curve (DESIGN.md physics 3). Plotted
+    outcome depends on c / eps alone, so the lines fall on one curve (docs/design.md physics 3). Plotted
     against the outcome itself, not a deviation from each eps's own c = 1 run, which moves with eps."""
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
@@ -185,7 +185,7 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
 
 def lr_separation(runs: pd.DataFrame, curves: pd.DataFrame):
     """Max |Δ loss| against the reference vs lr, a line per setup and c_eff: how a higher learning rate
-    amplifies the same gradient multiplier (DESIGN.md physics 6); diverged runs as x at the top."""
+    amplifies the same gradient multiplier (docs/design.md physics 6); diverged runs as x at the top."""
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.subplots()
     deltas = max_divergence(runs, curves)

@@ -1,4 +1,4 @@
-"""What the theory predicts (DESIGN.md, physics 2-4), as plain functions of measured quantities.
+"""What the theory predicts (docs/design.md, physics 2-4), as plain functions of measured quantities.
 
 Notation: c = effective gradient multiplier, s = a coordinate's sqrt(v_hat) at c = 1, eps = Adam's eps.
 """
@@ -56,7 +56,7 @@ def clipped_share(c: float, grad_norms, max_norm: float) -> float:
 def clipping_band(grad_norms, max_norm: float) -> tuple[float, float]:
     """(c_first, c_every): from c_first on the step with the largest grad norm is clipped, so runs start to
     differ; from c_every on every step is, each gradient has norm max_norm whatever c is, and the
-    deviation plateaus (DESIGN.md physics 5)."""
+    deviation plateaus (docs/design.md physics 5)."""
     norms = np.asarray(grad_norms, dtype=float)
     return float(max_norm / norms.max()), float(max_norm / norms.min())
 

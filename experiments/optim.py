@@ -50,7 +50,7 @@ class AdamAtan2(_ForeachOptimizer):
         theta = theta*(1 - lr*wd) - lr * a * atan2(m_hat, b * sqrt(v_hat))
 
     atan2(c*x, c*y) == atan2(x, y): no eps, so the update is invariant to the gradient's scale until
-    g^2 under- or overflows (DESIGN.md, physics 7). atan2(0, 0) = 0 on coordinates never given a gradient.
+    g^2 under- or overflows (docs/design.md, physics 7). atan2(0, 0) = 0 on coordinates never given a gradient.
     """
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), a: float = 4 / math.pi, b: float = 1.0,
@@ -171,7 +171,7 @@ def adam_state_stats(optimizer: torch.optim.Optimizer, ranks: Ranks | None = Non
     """RMS of sqrt(v_hat) over all coordinates, and the share whose sqrt(v_hat) < eps.
 
     Where sqrt(v_hat) < eps, eps dominates Adam's denominator and the update is no longer invariant to
-    the gradient's scale (DESIGN.md, physics 3-4). Returns 0-d tensors (no host sync here); empty dict
+    the gradient's scale (docs/design.md, physics 3-4). Returns 0-d tensors (no host sync here); empty dict
     for optimizers without Adam state. Under FSDP2 the shards' sums are added over ranks.
     """
     sum_v, below, count = [], [], 0

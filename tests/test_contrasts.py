@@ -1,4 +1,4 @@
-"""Physics 7 (DESIGN.md): Adam-atan2 and Lion have no eps, so with c = 2^k their fp32 trajectories equal the
+"""Physics 7 (docs/design.md): Adam-atan2 and Lion have no eps, so with c = 2^k their fp32 trajectories equal the
 c = 1 trajectory bit for bit; AdamW's does not (the contrast that shows the check can fail). Also why the
 suite refuses AdamW at eps = 0, and LoRA: only the adapters train, through the same loop."""
 

@@ -1,4 +1,4 @@
-"""Physics 2-3 (DESIGN.md) on real training runs: SGD is linear in c, AdamW trades c for eps.
+"""Physics 2-3 (docs/design.md) on real training runs: SGD is linear in c, AdamW trades c for eps.
 Also: every run in a comparison sees the same batches."""
 
 from __future__ import annotations

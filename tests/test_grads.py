@@ -1,4 +1,4 @@
-"""Physics 1 (DESIGN.md): the bug is a pure rescale, and the pipeline matches real per-rank averaging.
+"""Physics 1 (docs/design.md): the bug is a pure rescale, and the pipeline matches real per-rank averaging.
 Every test runs on the full fine-tune and on LoRA, where the pipeline sees only the adapters' gradients."""
 
 from __future__ import annotations
