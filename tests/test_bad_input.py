@@ -40,7 +40,8 @@ def test_every_example_longer_than_seq_len_fails_the_run_in_one_line(cli, tmp_pa
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"question {i} " * 40, "response": "yes"}) + "\n" for i in range(40)))
     run_dir = tmp_path / "run"
-    proc = cli(["data=jsonl", f"data.path={path}", "seq_len=16", "batch_size=8", f"hydra.run.dir={run_dir}"])
+    proc = cli(["data=jsonl", f"data.path={path}", "model.init=random", "seq_len=16", "batch_size=8",
+                f"hydra.run.dir={run_dir}"])
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: seq_len=16 leaves no sequence with a trained token")
