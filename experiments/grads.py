@@ -119,7 +119,7 @@ def count_trained_tokens(targets: torch.Tensor) -> int:
 
 
 def global_token_count(local_targets: torch.Tensor, ranks: Ranks) -> int:
-    """Trained tokens over all ranks: counted on the host (no device sync), then all-reduced SUM."""
+    """Trained tokens over all ranks: counted on the host, then all-reduced SUM (on the collective device)."""
     return int(ranks.sum(torch.tensor(count_trained_tokens(local_targets))))
 
 

@@ -1,10 +1,13 @@
 """Ranks: one process emulating `world_size` ranks, or one of `world_size` real ranks under torchrun.
 
 Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK in the environment) the process group uses gloo on
-CPU and NCCL on CUDA, and the model is wrapped by a real engine that averages gradients over ranks:
+CPU and NCCL on CUDA (with gloo beside it for CPU tensors), and the model is wrapped by a real engine that averages gradients over ranks:
 DistributedDataParallel (`dist.strategy=ddp`) or FSDP2 (`dist.strategy=fsdp2`: `fully_shard` per
 decoder layer and on the root). Each rank takes its block of the same global batch the emulated run
 uses: rank r gets sequences [r*B/N, (r+1)*B/N).
+
+Every collective of the training loop goes through `Ranks.sum`, which runs it on the backend's device:
+NCCL refuses CPU tensors ("No backend type associated with device type cpu").
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Ranks:
     rank: int = 0
     real: bool = False  # False: ranks emulated in this one process
     strategy: str = "ddp"
+    device: torch.device = torch.device("cpu")  # where collectives run: the training device
 
     @property
     def sharded(self) -> bool:
@@ -56,10 +60,12 @@ class Ranks:
         return tuple(t.chunk(self.world_size)[self.rank] for t in tensors)
 
     def sum(self, value: torch.Tensor) -> torch.Tensor:
-        """All-reduce SUM (identity when emulated)."""
-        if self.real:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value
+        """All-reduce SUM on the collective device, returned on value's own device (identity when emulated)."""
+        if not self.real:
+            return value
+        on_device = value.to(self.device)
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+        return on_device.to(value.device)
 
     def sum_if_sharded(self, value: torch.Tensor) -> torch.Tensor:
         return self.sum(value) if self.sharded else value
@@ -70,10 +76,13 @@ def setup(strategy: str, world_size: int, timeout_s: float, device: torch.device
     if not under_torchrun():
         return Ranks(world_size=world_size)
     if not dist.is_initialized():  # a sweep under torchrun runs many jobs in the same processes
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":  # before the group: NCCL binds each rank to its current device
+            torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(finish)
-    ranks = Ranks(world_size=dist.get_world_size(), rank=dist.get_rank(), real=True, strategy=strategy)
+    ranks = Ranks(world_size=dist.get_world_size(), rank=dist.get_rank(), real=True, strategy=strategy,
+                  device=device)
     log.info("rank %d of %d (%s, %s)", ranks.rank, ranks.world_size, strategy, dist.get_backend())
     return ranks
 
@@ -92,14 +101,17 @@ def wrap(model: torch.nn.Module, ranks: Ranks) -> torch.nn.Module:
     if ranks.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        device_ids = [model.device.index] if model.device.type == "cuda" else None
+        device_ids = [ranks.device.index] if ranks.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # an explicit mesh: FSDP2's default is the machine's accelerator, even for a CPU run on a GPU node
+    mesh = init_device_mesh(ranks.device.type, (ranks.world_size,))
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft LoRA wrapper
     for layer in base.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -118,7 +130,7 @@ def finish() -> None:
         if dist.get_backend() == "gloo":
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         else:
-            dist.barrier()
+            dist.barrier(device_ids=[torch.cuda.current_device()])
     except Exception as e:  # a peer already gone: tear down all the same
         log.warning("ranks did not meet at exit (%s)", e)
     dist.destroy_process_group()

@@ -16,10 +16,10 @@ from experiments.sweep import job_dirs
 from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics, train_records
 
 
-def torchrun(args: list[str], cache_dir: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(args: list[str], cache_dir: Path, timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -166,3 +166,46 @@ def test_slurm_launcher_config_composes():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert launcher.tasks_per_node == launcher.gpus_per_node == 8
+
+
+class _Reduced(Exception):
+    """Raised by the fake all_reduce once it has seen where the tensor lies."""
+
+
+@pytest.mark.parametrize("collective", ["token count", "loss sum", "sharded norm"])
+def test_every_collective_runs_on_the_backends_device(monkeypatch, collective):
+    """NCCL refuses CPU tensors: each collective of the loop must place its tensor on the ranks' device
+    (here `meta`, which no CPU tensor is on) before it reduces. The global token count once did not."""
+    import torch
+
+    from experiments import grads
+    from experiments.parallel import Ranks
+
+    placed = []
+
+    def fake_all_reduce(tensor, op=None):
+        placed.append(tensor.device)
+        raise _Reduced
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", fake_all_reduce)
+    ranks = Ranks(world_size=2, real=True, strategy="fsdp2", device=torch.device("meta"))
+    calls = {
+        "token count": lambda: grads.global_token_count(torch.tensor([[1, -100, 2]]), ranks),
+        "loss sum": lambda: ranks.sum(torch.zeros(())),
+        "sharded norm": lambda: grads.total_norm([torch.ones(3)], ranks),
+    }
+    with pytest.raises(_Reduced):
+        calls[collective]()
+    assert placed == [torch.device("meta")]
+
+
+def test_no_collective_bypasses_ranks():
+    """Every all-reduce, gather, broadcast or barrier in experiments/ goes through experiments/parallel.py."""
+    import re
+
+    collective = re.compile(r"\bdist\.(all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|reduce|gather"
+                            r"|scatter|barrier|monitored_barrier)\(")
+    offenders = [f"{path.name}:{n}" for path in sorted((ROOT / "experiments").glob("*.py"))
+                 if path.name != "parallel.py"
+                 for n, line in enumerate(path.read_text().splitlines(), 1) if collective.search(line)]
+    assert offenders == []
