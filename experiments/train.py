@@ -117,9 +117,13 @@ def train(
 
         if (step + 1) % eval_every == 0 or step == steps - 1:
             eval_loss = evaluate(model, batches, eval_batches, autocast, device)
-            best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
             log_record(run_log, {"step": step, "eval/loss": eval_loss})
             log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
+            if not math.isfinite(eval_loss):  # weights gone non-finite after the last logged step
+                log.warning("non-finite eval loss at step %d: run diverged", step)
+                return TrainResult("diverged", step + 1, final_loss, best_eval, step, tokens_per_s,
+                                   int(clipped_steps))
+            best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
 
         if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             state = LoopState(step + 1, final_loss, best_eval, int(clipped_steps))

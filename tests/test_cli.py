@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from experiments.sweep import job_dirs
-from tests.conftest import TINY, read_metrics, train_records
+from tests.conftest import TINY, read_metrics, run_in_process, train_records
 
 METRIC_KEYS = {
     "step", "train/loss", "train/grad_norm", "train/clipped", "train/lr", "train/update_rms", "train/param_norm",
@@ -72,6 +73,15 @@ def test_divergence_is_data_and_the_sweep_goes_on(cli, tmp_path):
     assert diverged["status"] == "diverged" and diverged["diverged_at_step"] is not None
     assert diverged["steps_done"] == diverged["diverged_at_step"] + 1 < 6
     assert "diverged" in proc.stdout
+
+
+def test_non_finite_eval_loss_is_divergence_not_completion(tmp_path):
+    """SGD at scale 1e4: every logged training loss is finite, but the last update leaves the weights
+    non-finite, so only the final eval sees it."""
+    result, records = run_in_process(tmp_path, ["optimizer=sgd", "scale=10000", "steps=3", "eval_every=3"])
+    assert all(math.isfinite(r["train/loss"]) for r in train_records(records))
+    assert records[-1]["eval/loss"] == "nan"  # metrics.jsonl spells non-finite numbers as strings
+    assert result["status"] == "diverged" and result["diverged_at_step"] == 2 and result["best_eval_loss"] is None
 
 
 def test_failed_run_is_recorded_and_the_sweep_goes_on(cli, tmp_path):
