@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import Config, register_configs, to_object
+from experiments.config import Config, refuse_unknown_keys, register_configs, to_object
 
 register_configs()
 log = logging.getLogger("gradscale")
@@ -224,4 +224,5 @@ def main(cfg: DictConfig) -> str:
 
 
 if __name__ == "__main__":
+    refuse_unknown_keys()
     main()

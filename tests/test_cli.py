@@ -158,11 +158,26 @@ def test_unknown_group_choice_names_the_choices(cli, tmp_path, override, group):
     assert f"Available options in '{group}'" in proc.stderr
 
 
-@pytest.mark.parametrize(("override", "message"), [("scale=abc", "could not be converted to Float"),
-                                                   ("no_such_key=1", "Key 'no_such_key' not in 'Config'")])
-def test_wrong_type_and_unknown_key(cli, tmp_path, override, message):
-    proc = cli([override, f"hydra.run.dir={tmp_path / 'run'}"])
-    assert proc.returncode != 0 and message in proc.stderr
+def test_wrong_type_names_the_type(cli, tmp_path):
+    proc = cli(["scale=abc", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert proc.returncode != 0 and "could not be converted to Float" in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["+stpes=10"], "error: stpes is not a config key; did you mean steps?"),
+    (["stpes=10"], "error: stpes is not a config key; did you mean steps?"),
+    (["+optimizer.ep=1e-6"], "error: optimizer.ep is not a config key; did you mean optimizer.eps?"),
+    (["optimizer=sgd", "++optimizer.eps=1e-6"], "error: optimizer.eps is not a config key"),
+    (["no_such_key=1"], "error: no_such_key is not a config key"),
+    (["-m", "optimizer=sgd,adamw", "optimizer.eps=1e-6"], "error: optimizer.eps is not a config key"),
+])
+def test_unknown_key_is_refused_with_one_line_with_or_without_plus(cli, tmp_path, args, expected):
+    """Hydra's `+` adds any key: a typo would run with the key silently ignored. A sweep is refused before
+    its first job when any job (here the sgd one) has no such key."""
+    proc = cli([*args, *TINY, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [expected + " (README lists every key)"], proc.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
 
 
 def test_wandb_offline_writes_a_local_run(cli, tmp_path):
