@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from experiments.config import ConfigError, validate
 
@@ -25,12 +25,18 @@ class ValidateBeforeRun(Callback):
     """
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        run_dir = Path(config.hydra.run.dir)
         try:
             validate(config)
-            check_writable("hydra.run.dir", Path(config.hydra.run.dir))
+            check_writable("hydra.run.dir", run_dir)
+            if (run_dir / ".hydra" / "config.yaml").exists():
+                check_same_config(run_dir, config, "hydra.run.dir", run_dir, "this run")
         except ConfigError as e:
             print(e, file=sys.stderr, flush=True)
             sys.exit(2)
+        if is_finished(run_dir):  # the run will be skipped: its provenance stays as it ran
+            with open_dict(config.hydra):
+                config.hydra.output_subdir = None
 
 
 def check_writable(key: str, folder: Path) -> None:
@@ -48,28 +54,47 @@ def check_writable(key: str, folder: Path) -> None:
 NON_RESULT_KEYS = ("wandb",)
 
 
-def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -> None:
+def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -> set[tuple[str, ...]]:
     """Re-running into an existing sweep folder resumes it; refuse when the folder holds runs of another
-    sweep (overrides no job of this one has) or of another config (a key's value changed since)."""
+    sweep (overrides no job of this one has) or of another config (a key's value changed since).
+
+    Returns the jobs (their overrides) whose folder holds a finished run: they will be skipped."""
     if not Path(sweep_dir).is_dir():
-        return
+        return set()
 
     def result_overrides(overrides) -> tuple[str, ...]:
         return tuple(o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] not in NON_RESULT_KEYS)
 
-    wanted = {result_overrides(job): cfg for job, cfg in jobs.items()}
+    wanted = {result_overrides(job): job for job in jobs}
+    finished = set()
     for job_dir in job_dirs(sweep_dir):
         done = result_overrides(job_overrides(job_dir))
         if done not in wanted:
             raise ConfigError(f"error: hydra.sweep.dir={str(sweep_dir)!r} holds runs of another sweep "
                               f"({job_dir.name}); re-run its own command, or choose a new hydra.sweep.dir")
-        before = _result_config(OmegaConf.load(job_dir / ".hydra" / "config.yaml"))
-        now = _result_config(wanted[done])
-        if before != now:
-            key = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
-            raise ConfigError(f"error: hydra.sweep.dir={str(sweep_dir)!r}: {job_dir.name} ran with {key}="
-                              f"{before.get(key)!r}, this sweep has {key}={now.get(key)!r}; "
-                              "choose a new hydra.sweep.dir")
+        check_same_config(job_dir, jobs[wanted[done]], "hydra.sweep.dir", sweep_dir, "this sweep")
+        if is_finished(job_dir):
+            finished.add(wanted[done])
+    return finished
+
+
+def check_same_config(job_dir: Path, cfg: DictConfig, key: str, folder: Path, this: str) -> None:
+    """The run in job_dir ran with cfg's values (NON_RESULT_KEYS aside), or a one-line ConfigError."""
+    before = _result_config(OmegaConf.load(job_dir / ".hydra" / "config.yaml"))
+    now = _result_config(cfg)
+    if before != now:
+        changed = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
+        ran = f"{job_dir.name} ran" if job_dir != folder else "ran"
+        raise ConfigError(f"error: {key}={str(folder)!r}: {ran} with {changed}={before.get(changed)!r}, "
+                          f"{this} has {changed}={now.get(changed)!r}; choose a new {key}")
+
+
+def is_finished(run_dir: Path) -> bool:
+    """The folder holds a completed or diverged run: a re-run skips it."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status") in ("completed", "diverged")
+    except (OSError, ValueError):
+        return False
 
 
 def _result_config(cfg: DictConfig) -> dict[str, Any]:

@@ -99,9 +99,38 @@ def test_a_folder_of_another_sweep_is_refused_untouched(cli, tmp_path):
         f"error: hydra.sweep.dir={str(sweep)!r} holds runs of another sweep ({job_dirs(sweep)[1].name}); "
         "re-run its own command, or choose a new hydra.sweep.dir"]
     assert {p: p.stat().st_mtime_ns for p in sweep.rglob("*")} == before
-    # the same sweep again is fine: both jobs are skipped
+    # the same sweep again is fine: both jobs are skipped, their provenance untouched
+    provenance = hydra_files(sweep)
     again = cli(["-m", "scale=1,2", *TINY, "steps=1", f"hydra.sweep.dir={sweep}", "wandb.mode=offline"])
     assert again.returncode == 0 and "skipped" in (job_dirs(sweep)[0] / "run.log").read_text()
+    assert hydra_files(sweep) == provenance
+
+
+def hydra_files(folder: Path) -> dict[Path, bytes]:
+    """Every file under the .hydra/ folders below `folder`, with its bytes."""
+    return {p: p.read_bytes() for p in sorted(folder.rglob(".hydra/*"))}
+
+
+def test_single_run_into_a_folder_of_another_config_is_refused_untouched(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert cli([*TINY, "steps=1", "optimizer.lr=0.01", f"hydra.run.dir={run_dir}"]).returncode == 0
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    proc = cli([*TINY, "steps=1", "optimizer.lr=0.02", f"hydra.run.dir={run_dir}"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: hydra.run.dir={str(run_dir)!r}: ran with optimizer.lr=0.01, this run has optimizer.lr=0.02; "
+        "choose a new hydra.run.dir"]
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
+
+
+def test_skipped_single_run_leaves_its_provenance_byte_identical(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert cli([*TINY, "steps=1", f"hydra.run.dir={run_dir}"]).returncode == 0
+    provenance, summary = hydra_files(run_dir), (run_dir / "summary.json").read_bytes()
+    # the same config by other words (wandb changes no result): skipped, nothing rewritten
+    again = cli([*TINY, "steps=1", "wandb.mode=offline", f"hydra.run.dir={run_dir}"])
+    assert again.returncode == 0 and "already completed, skipped" in (run_dir / "run.log").read_text()
+    assert hydra_files(run_dir) == provenance and (run_dir / "summary.json").read_bytes() == summary
 
 
 def test_rewind_drops_later_records_and_a_torn_line(tmp_path):

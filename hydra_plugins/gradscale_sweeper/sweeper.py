@@ -36,6 +36,7 @@ class GradscaleSweeper(BasicSweeper):
                  include: list[list[str]] | None = None) -> None:
         super().__init__(max_batch_size, params)
         self.include = [[str(o) for o in job] for job in include or []]
+        self.finished: set[tuple[str, ...]] = set()  # jobs whose folder holds a finished run
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """The grid (as the basic sweeper builds it), then one job per `include` entry."""
@@ -45,6 +46,8 @@ class GradscaleSweeper(BasicSweeper):
         for entry in self.include:
             keys = {_key(o) for o in entry}
             grid.append([o for o in fixed if _key(o) not in keys] + entry)
+        # a finished job is skipped, and Hydra must not rewrite its .hydra/ (the provenance of its results)
+        grid = [[*job, "hydra.output_subdir=null"] if tuple(job) in self.finished else job for job in grid]
         size = max_batch_size or len(grid)
         return [grid[i:i + size] for i in range(0, len(grid), size)]
 
@@ -75,7 +78,7 @@ class GradscaleSweeper(BasicSweeper):
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
         check_writable("hydra.sweep.dir", sweep_dir)
-        check_same_sweep(sweep_dir, configs)
+        self.finished = check_same_sweep(sweep_dir, configs)
         return jobs
 
     def validate_batch_is_legal(self, batch) -> None:
