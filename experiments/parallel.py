@@ -1,13 +1,13 @@
 """Ranks: one process emulating `world_size` ranks, or one of `world_size` real ranks under torchrun.
 
 Under torchrun (RANK / WORLD_SIZE / LOCAL_RANK in the environment) the process group uses gloo on
-CPU and NCCL on CUDA (with gloo beside it for CPU tensors), and the model is wrapped by a real engine that averages gradients over ranks:
-DistributedDataParallel (`dist.strategy=ddp`) or FSDP2 (`dist.strategy=fsdp2`: `fully_shard` per
-decoder layer and on the root). Each rank takes its block of the same global batch the emulated run
-uses: rank r gets sequences [r*B/N, (r+1)*B/N).
+CPU and NCCL on CUDA (with gloo beside it for CPU tensors), and the model is wrapped by a real
+engine that averages gradients over ranks: DistributedDataParallel (`dist.strategy=ddp`) or FSDP2
+(`dist.strategy=fsdp2`: `fully_shard` per decoder layer and on the root). Each rank takes its block
+of the same global batch the emulated run uses: rank r gets sequences [r*B/N, (r+1)*B/N).
 
-Every collective of the training loop goes through `Ranks.sum`, which runs it on the backend's device:
-NCCL refuses CPU tensors ("No backend type associated with device type cpu").
+Every collective of the training loop goes through `Ranks.sum`, which runs it on the backend's
+device: NCCL refuses CPU tensors ("No backend type associated with device type cpu").
 """
 
 from __future__ import annotations
