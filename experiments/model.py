@@ -45,11 +45,13 @@ def llama_config(model_cfg):
 
 def build_model(model_cfg, seed: int, device: torch.device, checkpoint: str | None = None) -> torch.nn.Module:
     """The weights in `checkpoint` (weights.checkpoint_dir), or a random init seeded by `seed` (identical
-    across runs) when it is None."""
+    across runs) when it is None. Either way the RNG leaves here seeded by `seed`, so the LoRA init and
+    dropout that follow never depend on what ran before in the process (a sweep's earlier jobs)."""
+    torch.manual_seed(seed)
     if checkpoint:
         model = load_checkpoint(checkpoint)
-    else:
         torch.manual_seed(seed)
+    else:
         from transformers import LlamaForCausalLM
 
         model = LlamaForCausalLM(llama_config(model_cfg))

@@ -82,6 +82,26 @@ def test_model_path_loads_weights_and_tokenizer(checkpoint):
     assert tokenizer.eos_token == saved_tokenizer.eos_token
 
 
+def test_lora_on_a_checkpoint_starts_the_same_whatever_ran_before(checkpoint):
+    """A sweep runs its jobs in one process: a fix-off run must start from the adapters of its fix-on
+    reference, not from wherever the RNG was left by the job before (the step-0 grad-norm ratio
+    read 0.113 for 0.125 when it did)."""
+    from experiments.model import apply_finetune, build_model
+    from experiments.weights import checkpoint_dir
+
+    path, _, _ = checkpoint
+    _, cfg = build([f"model.path={path}", "finetune=lora"])
+    adapters = []
+    for draws_before in (0, 1000):
+        torch.rand(draws_before)
+        net = apply_finetune(build_model(cfg.model, cfg.seed, torch.device("cpu"), checkpoint_dir(cfg.model)),
+                             cfg.finetune)
+        adapters.append({n: p.detach().clone() for n, p in net.named_parameters() if p.requires_grad})
+    assert adapters[0].keys() and adapters[0].keys() == adapters[1].keys()
+    for name, value in adapters[0].items():
+        assert torch.equal(value, adapters[1][name]), name
+
+
 def test_training_from_model_path(checkpoint, tmp_path):
     path, _, _ = checkpoint
     result, records = run_in_process(tmp_path / "run", [f"model.path={path}"])
