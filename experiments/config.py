@@ -416,6 +416,77 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
         )
 
 
+def installed_torch_cuda() -> bool | None:
+    """Whether the installed torch is a CUDA build, read from torch/version.py without importing torch
+    (the import alone takes seconds); None when the file does not say."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        text = open(os.path.join(os.path.dirname(spec.origin), "version.py")).read()
+    except OSError:
+        return None
+    found = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(None|'[^']*'|\"[^\"]*\")", text, re.MULTILINE)
+    return None if found is None else found.group(1) != "None"
+
+
+def cuda_problem() -> str | None:
+    """Why CUDA cannot be used here, or None. A CPU build of torch is told without importing it."""
+    if "torch" not in sys.modules and installed_torch_cuda() is False:
+        return "this torch is a CPU-only build (install a CUDA build of torch, or use device=cpu or auto)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device here (use device=cpu or auto)"
+    return None
+
+
+def compiler_problem(on_cuda: bool) -> str | None:
+    """Why torch.compile cannot build kernels here, or None: Inductor compiles C++ on CPU, and Triton
+    kernels (with a C compiler for their launchers) on CUDA."""
+    import importlib.util
+    import shutil
+
+    if on_cuda:
+        if importlib.util.find_spec("triton") is None:
+            return "torch.compile on CUDA needs triton, which is not installed (pip install triton, or compile=false)"
+        compilers = (os.environ.get("CC"), "cc", "gcc", "clang")
+    else:
+        compilers = (os.environ.get("CXX"), "c++", "g++", "clang++")
+    if not any(c and shutil.which(c) for c in compilers):
+        kind = "C" if on_cuda else "C++"
+        return f"torch.compile needs a {kind} compiler and none is on PATH (install one, or compile=false)"
+    return None
+
+
+def check_environment(cfg: DictConfig | Config) -> None:
+    """Refuse values this machine cannot run, before any work starts; one line naming the value and why.
+    Apart from `validate`, which judges values alone: these look at the machine (and the weights' source)."""
+    on_cuda = cfg.device == "cuda"
+    if on_cuda:
+        problem = cuda_problem()
+        _check(problem is None, "device", cfg.device, str(problem))
+    elif cfg.device == "auto" and (cfg.precision == "bf16" or cfg.compile):  # auto means CUDA when it is here
+        on_cuda = cuda_problem() is None
+    if cfg.precision == "bf16" and on_cuda:
+        import torch
+
+        _check(torch.cuda.is_bf16_supported(), "precision", cfg.precision,
+               f"{torch.cuda.get_device_name()} has no bf16 (use precision=fp32)")
+    if cfg.compile:
+        problem = compiler_problem(on_cuda)
+        _check(problem is None, "compile", cfg.compile, str(problem))
+    from experiments.weights import WeightsError, ensure_source
+
+    try:
+        ensure_source(cfg.model)
+    except WeightsError as e:
+        raise ConfigError(str(e)) from None
+
+
 def unknown_key_problem(cfg: DictConfig, key: str) -> str | None:
     """Why a dotted `key` names no key of the composed config (with the closest one), or None."""
     node: Any = cfg

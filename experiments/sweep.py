@@ -15,11 +15,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.config import ConfigError, validate
+from experiments.config import ConfigError, check_environment, validate
 
 
 class ValidateBeforeRun(Callback):
-    """Single runs: range-check the config and the output folder before Hydra creates the run folder.
+    """Single runs: range-check the config, what it needs from this machine, and the output folder, before
+    Hydra creates the run folder.
 
     Hydra turns exceptions raised in callbacks into warnings, so a bad value exits here directly.
     """
@@ -28,6 +29,7 @@ class ValidateBeforeRun(Callback):
         run_dir = Path(config.hydra.run.dir)
         try:
             validate(config)
+            check_environment(config)
             check_writable("hydra.run.dir", run_dir)
             if (run_dir / ".hydra" / "config.yaml").exists():
                 check_same_config(run_dir, config, "hydra.run.dir", run_dir, "this run")

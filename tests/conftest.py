@@ -80,8 +80,9 @@ def train_records(records: list[dict]) -> list[dict]:
 def cli(cache_dir):
     """Run `python -m experiments.run ARGS` in the project root; returns the CompletedProcess."""
 
-    def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-        env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": ""}
+    def _run(args: list[str], timeout: float = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+        env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "",
+               **(extra_env or {})}
         env.pop("HYDRA_FULL_ERROR")
         return subprocess.run(
             [sys.executable, "-m", "experiments.run", *args],

@@ -2,8 +2,8 @@
 
 1. `hydra.sweeper.include`: jobs beyond the grid, each a list of overrides on top of the sweep's fixed
    (not swept) overrides, e.g. a control run at another lr (conf/experiment/world_size_fix.yaml);
-2. every job's config is composed and range-checked before the first job starts, so a bad value
-   anywhere in the sweep costs nothing;
+2. every job's config is composed and range-checked, and what it needs from the machine checked, before
+   the first job starts, so a bad value anywhere in the sweep costs nothing;
 3. a job that fails is recorded (its summary.json says failed) and the other jobs still run;
 4. the sweep ends with a table of its runs, and exits non-zero if any failed.
 """
@@ -21,7 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
 
-from experiments.config import ConfigError, validate
+from experiments.config import ConfigError, check_environment, validate
 from experiments.sweep import check_same_sweep, check_writable, format_sweep_table, sweep_runs
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,7 @@ class GradscaleSweeper(BasicSweeper):
             job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
             try:
                 validate(job_cfg)
+                check_environment(job_cfg)
             except ConfigError as e:
                 raise ConfigError(f"{e} (job: {' '.join(job)})") from None
             configs[tuple(job)] = job_cfg
