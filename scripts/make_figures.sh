@@ -15,5 +15,9 @@ for name in $studies; do
   STUDY_DIR="multirun/figures/$name" PYTHON="$PY" scripts/study.sh "$name" wandb.mode=disabled
   "$PY" -m analysis.report "multirun/figures/$name" --out "docs/figures/$name"
 done
-"$PY" -m analysis.notebook analysis/notebooks/01_world_size_fix.py multirun/figures/world_size_fix
-"$PY" -m analysis.notebook analysis/notebooks/02_adam_invariance_breakdown.py multirun/figures/scale_sweep
+for pair in 01_world_size_fix:world_size_fix 02_adam_invariance_breakdown:scale_sweep; do
+  notebook=${pair%%:*} sweep=multirun/figures/${pair##*:}
+  if [ -d "$sweep" ]; then  # --out: the committed notebook, on purpose
+    "$PY" -m analysis.notebook "analysis/notebooks/$notebook.py" "$sweep" --out "analysis/notebooks/$notebook.ipynb"
+  fi
+done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import matplotlib.figure
 import numpy as np
@@ -227,6 +228,39 @@ def test_notebooks_execute_headless_on_a_tiny_sweep(tiny_sweep, tmp_path, name):
     errors = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors and len(images) >= 2
+
+
+def test_notebook_command_writes_into_the_sweep_never_over_the_committed_notebook(tiny_sweep, tmp_path, capsys):
+    from analysis.notebook import main
+    from tests.conftest import ROOT
+
+    committed = ROOT / "analysis" / "notebooks" / "01_world_size_fix.ipynb"
+    before = committed.read_bytes()
+    sweep = tmp_path / "sweep"
+    shutil.copytree(tiny_sweep, sweep)
+    assert main([str(ROOT / "analysis" / "notebooks" / "01_world_size_fix.py"), str(sweep)]) == 0
+    assert (sweep / "notebooks" / "01_world_size_fix.ipynb").is_file()
+    assert capsys.readouterr().out.strip() == f"wrote {sweep / 'notebooks' / '01_world_size_fix.ipynb'}"
+    assert committed.read_bytes() == before
+
+
+def test_notebook_command_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from analysis.notebook import main
+    from tests.conftest import ROOT
+
+    notebook = str(ROOT / "analysis" / "notebooks" / "01_world_size_fix.py")
+    assert main([notebook, str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} is not a sweep folder (it does not exist)"
+    assert main([str(tmp_path / "nope.py"), str(tmp_path)]) == 2
+    assert "is not a notebook" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()  # a folder without runs: the notebook's first cell fails, nothing is written
+    assert main([notebook, str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: 01_world_size_fix.py failed on") and "\n" not in err
+    assert not (tmp_path / "empty" / "notebooks").exists() or not any((tmp_path / "empty" / "notebooks").iterdir())
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "--out" in capsys.readouterr().out
 
 
 def test_report_logs_one_offline_wandb_analysis_run(tiny_sweep, tmp_path, monkeypatch):
