@@ -59,6 +59,8 @@ def run(cfg: Config, run_log, overrides: list[str], run_dir: Path | None = None)
     device = parallel.device_for(cfg.device)
     world_size = resolve_world_size(cfg.world_size, overrides)
     ranks = parallel.setup(cfg.dist.strategy, world_size, cfg.dist.timeout_s, device)
+    if device.type == "cuda":  # a sweep's jobs share the process: each reports its own peak
+        torch.cuda.reset_peak_memory_stats(device)
     examples = data.load_examples(cfg.data)
     source = weights.checkpoint_dir(cfg.model)  # fetched, converted or pretrained first when not cached
     if source:
@@ -94,7 +96,8 @@ def run(cfg: Config, run_log, overrides: list[str], run_dir: Path | None = None)
     return {**vars(result), "resumed_from_step": start.next_step if start else None,
             "effective_scale": pipeline.effective_scale, "device": str(device),
             "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
-            "normalization": pipeline.recipe_in_effect}
+            "normalization": pipeline.recipe_in_effect,
+            "peak_cuda_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
 def share_cores(hydra_cfg) -> None:
