@@ -121,7 +121,7 @@ def load(paths: list[str | Path] | str | Path) -> tuple[pd.DataFrame, pd.DataFra
 
 
 # Settings that make a run a different setup of its optimizer (a panel or a line of its own in the figures).
-SETUP_KEYS = ("finetune", "eps", "clip", "precision")
+SETUP_KEYS = ("model", "finetune", "eps", "clip", "precision")
 
 
 def setup_labels(runs: pd.DataFrame) -> pd.Series:
@@ -148,7 +148,7 @@ def curve(curves: pd.DataFrame, run: str, metric: str) -> pd.Series:
 
 
 # Columns that make two runs "the same experiment" apart from the studied factor.
-PAIRING_KEYS = ("optimizer", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
+PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
                 "normalization", "seed", "steps")
 
 

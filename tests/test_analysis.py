@@ -23,7 +23,8 @@ def synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"), lrs=(1e-3,), ste
         for lr in lrs:
             for c in c_values:
                 name = f"{optimizer}-{lr:g}-{c:g}"
-                runs.append({"run": name, "optimizer": optimizer, "finetune": "full", "lr": lr,
+                runs.append({"run": name, "optimizer": optimizer, "model": "llama3_2_tiny (pretrained init)",
+                             "finetune": "full", "lr": lr,
                              "eps": 1e-8 if optimizer == "adamw" else float("nan"), "weight_decay": 0.0, "scale": c,
                              "fix": True, "world_size": 8, "clip": None, "precision": "fp32",
                              "normalization": "global_tokens", "seed": 0, "steps": steps, "status": "completed",
@@ -60,6 +61,18 @@ def test_pairing_finds_the_reference_run():
     assert references["sgd-0.001-nofix"] == "sgd-0.001-1"
     runs.loc[1, "seed"] = 1  # sgd-0.001-8 with a different seed is a different experiment: no reference for it
     assert pair_references(runs)[1] is None
+
+
+def test_runs_from_other_weights_are_other_setups_with_their_own_reference():
+    """A sweep over model.init (or model=): each run is compared with the reference of its own weights."""
+    runs, _ = synthetic(optimizers=("adamw",))
+    runs = pd.concat([runs, runs.assign(model="llama3_2_tiny (random init)", run=lambda t: t.run + "-random")],
+                     ignore_index=True)
+    references = dict(zip(runs.run, pair_references(runs)))
+    assert references["adamw-0.001-8"] == "adamw-0.001-1"
+    assert references["adamw-0.001-8-random"] == "adamw-0.001-1-random"
+    labels = dict(zip(runs.run, setup_labels(runs)))
+    assert labels["adamw-0.001-8-random"] == "adamw model=llama3_2_tiny (random init)"
 
 
 @pytest.mark.parametrize(
