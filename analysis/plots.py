@@ -106,11 +106,13 @@ def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
     return pd.Series(out)
 
 
-def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None):
+def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None,
+              onsets: dict[str, float] | None = None):
     """Max |Δ loss| vs c_eff (log x), a line per setup (and lr); shaded in the line's colour: where the
     theory predicts that setup stops being invariant (bands: setup -> (c_start, c_end), e.g. eps/s from
-    measured sqrt(v_hat) quantiles, or the clipping band); diverged runs as x at the top. One panel per
-    optimizer when an optimizer has several setups, else one panel for all."""
+    measured sqrt(v_hat) quantiles, or the clipping band); dashed: where the risk advisor predicts a 1%
+    update cut (onsets: setup -> c); diverged runs as x at the top. One panel per optimizer when an
+    optimizer has several setups, else one panel for all."""
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
     one_panel = table.groupby("optimizer").setup.nunique().max() <= 1 if len(table) else True
@@ -134,6 +136,10 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
         if setup in colors:
             ax, color = colors[setup]
             ax.axvspan(min(low, high), max(low, high), alpha=0.12, color=color, label=f"{setup}: predicted band")
+    for setup, c in (onsets or {}).items():
+        if setup in colors:
+            ax, color = colors[setup]
+            ax.axvline(c, color=color, ls="--", lw=1.2, label=f"{setup}: advisor's 1% update cut (c={c:.2g})")
     for name, ax in axes.items():
         ax.set(title="" if one_panel else name, xscale="log", yscale="log",
                xlabel="c_eff (effective gradient multiplier)", ylabel="max |Δ loss| vs reference (0 drawn at 1e-7)")

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import plots
+from analysis.advise import advisor_summary, advisor_vs_measured, predicted_onsets
 from analysis.load import curve, equivalent_references, load, pair_references, read_jsonl
 from analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group
 
@@ -155,8 +156,8 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
         ("loss_curves", lambda: plots.loss_curves(runs, curves), ""),
         ("divergence", (lambda: plots.divergence(runs, curves)) if has_pairs else None, no_ref),
         ("grad_norm_ratio", (lambda: plots.grad_norm_ratio(runs, curves)) if has_pairs else None, no_ref),
-        ("breakdown", (lambda: plots.breakdown(runs, curves, measured_bands(runs, curves))) if has_pairs else None,
-         no_ref),
+        ("breakdown", (lambda: plots.breakdown(runs, curves, measured_bands(runs, curves), predicted_onsets(runs)))
+         if has_pairs else None, no_ref),
         ("eps_collapse", (lambda: plots.eps_collapse(runs)) if several_eps else None,
          "needs runs at several eps for one optimizer"),
         ("clipping", (lambda: plots.clipping(runs, curves)) if clipped else None, "no run with clipping"),
@@ -198,6 +199,7 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
     summary = summary_table(runs, curves)
     theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
     eps_shares = eps_share_table(runs)
+    advisor = advisor_vs_measured(runs, curves)
     run_columns = ["run", "model", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]
     lines = [
@@ -215,6 +217,12 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         "world-size bug at N = 8, 64, 1024 (interpolated between each tensor's measured quantiles; 0.01 reads "
         "'at most 1%', 0.99 'at least 99%').", "",
         _markdown(eps_shares) if len(eps_shares) else "No Adam-type reference run with statistics.", "",
+        "## Advisor vs measured", "",
+        "AdamW's update-RMS ratio to its c = 1 reference: predicted by the risk advisor (analysis.advise) from the "
+        "reference's sqrt(v_hat) histogram of each step, against the measured ratio of the two runs' "
+        "train/update_rms; error = predicted / measured - 1. Step by step in advisor_vs_measured.csv.", "",
+        _markdown(advisor_summary(advisor)) if len(advisor) else
+        "No AdamW run beside a reference with sqrt(v_hat) histograms (adam_stats_every).", "",
         "## Equivalences the theory calls exact", "",
         "SGD(lr, c) == SGD(lr*c, 1) and AdamW(c, eps) == AdamW(1, eps/c), for the pairs this sweep holds.", "",
         _markdown(equivalences) if len(equivalences) else "No such pair in this sweep.", "",
@@ -224,6 +232,8 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
     report = out / "report.md"
     report.write_text("\n".join(lines))
     summary.to_csv(out / "summary.csv", index=False)
+    if len(advisor):
+        advisor.to_csv(out / "advisor_vs_measured.csv", index=False)
     return report, written
 
 

@@ -132,13 +132,53 @@ def adam_states(optimizer: torch.optim.Optimizer):
     """(param, local exp_avg_sq, bias correction 1 - beta2^t, eps) for every Adam-type state.
 
     v_hat = exp_avg_sq / (1 - beta2^t); under FSDP2 exp_avg_sq is this rank's shard."""
+    for p, _, v, _, bias_correction2, eps in adam_moments(optimizer):
+        yield p, v, bias_correction2, eps
+
+
+def adam_moments(optimizer: torch.optim.Optimizer):
+    """(param, local exp_avg, local exp_avg_sq, 1 - beta1^t, 1 - beta2^t, eps) for every Adam-type state."""
     for group in optimizer.param_groups:
         if "eps" not in group or "betas" not in group:
             continue
+        beta1, beta2 = group["betas"]
         for p in group["params"]:
             state = optimizer.state.get(p)
             if state and "exp_avg_sq" in state:
-                yield p, local(state["exp_avg_sq"]), 1 - group["betas"][1] ** float(state["step"]), group["eps"]
+                t = float(state["step"])
+                yield p, local(state["exp_avg"]), local(state["exp_avg_sq"]), 1 - beta1**t, 1 - beta2**t, group["eps"]
+
+
+# The histogram over log10(sqrt(v_hat)) behind the risk advisor (analysis.advise): fixed bins of 1/8 decade
+# from 1e-20 to 1e2 (values outside fall into the end bins), and exact zeros apart.
+HIST_LOG10_MIN, HIST_LOG10_MAX, HIST_BINS_PER_DECADE = -20, 2, 8
+HIST_BINS = (HIST_LOG10_MAX - HIST_LOG10_MIN) * HIST_BINS_PER_DECADE
+HIST_CHUNK = 1 << 20
+
+
+@torch.no_grad()
+def sqrt_v_histograms(optimizer: torch.optim.Optimizer, ranks: Ranks | None = None) -> torch.Tensor:
+    """Per Adam-type tensor, over bins of s = sqrt(v_hat): the coordinate count and the energy, the sum of
+    the squared unscaled update (m_hat / (s + eps))^2. Shape (tensors, 2, 1 + HIST_BINS), float64: index 0
+    holds exact zeros, index 1 + b the bin [10^(MIN + b/8), 10^(MIN + (b+1)/8)). Under FSDP2 the shards are
+    summed over ranks (every rank must call it). From it the update-RMS ratio at any multiplier c follows,
+    to bin resolution: ratio(c)^2 = sum_b E_b r(s_b, c)^2 / sum_b E_b, r = (s + eps) / (s + eps / c)."""
+    rows = []
+    for _, m, v, bias_correction1, bias_correction2, eps in adam_moments(optimizer):
+        row = torch.zeros(2, 1 + HIST_BINS, dtype=torch.float64, device=v.device)
+        # in chunks: the temporaries stay a few MB however large the tensor (a 3B model's embedding: 394M)
+        for m_chunk, v_chunk in zip(m.flatten().split(HIST_CHUNK), v.flatten().split(HIST_CHUNK)):
+            s = (v_chunk.float() / bias_correction2).sqrt()
+            energy = ((m_chunk.float() / bias_correction1) / (s + eps)).square()
+            index = ((s.log10() - HIST_LOG10_MIN) * HIST_BINS_PER_DECADE).floor().clamp(0, HIST_BINS - 1) + 1
+            index = torch.where(s > 0, index, 0).long()  # log10(0) = -inf: zeros get their own slot
+            row[0] += torch.bincount(index, minlength=1 + HIST_BINS)
+            row[1] += torch.bincount(index, weights=energy.double(), minlength=1 + HIST_BINS)
+        rows.append(row)
+    if not rows:
+        return torch.zeros(0, 2, 1 + HIST_BINS, dtype=torch.float64)
+    histograms = torch.stack(rows)
+    return ranks.sum_if_sharded(histograms) if ranks is not None else histograms
 
 
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
@@ -154,15 +194,24 @@ def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> list[float]:
 
 
 @torch.no_grad()
-def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str], step: int) -> list[dict]:
-    """Per-tensor quantiles of sqrt(v_hat): the measured s in the theory's c* = eps / s (analysis.theory)."""
+def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str], step: int,
+                     ranks: Ranks | None = None) -> list[dict]:
+    """Per-tensor quantiles of sqrt(v_hat) (the measured s in the theory's c* = eps / s, analysis.theory; from
+    this rank's shard under FSDP2) and its histogram (sqrt_v_histograms, all shards: every rank must call
+    this), as adam_stats.jsonl records; the histogram's empty bins are left out."""
+    histograms = sqrt_v_histograms(optimizer, ranks).cpu()
     records = []
-    for p, v, bias_correction2, eps in adam_states(optimizer):
+    for (p, v, bias_correction2, eps), histogram in zip(adam_states(optimizer), histograms):
         v = v.flatten()[:: max(1, v.numel() // MAX_QUANTILE_SAMPLE)].float()
         sqrt_v = (v / bias_correction2).sqrt()
         q = quantiles(sqrt_v, QUANTILES)
+        counts, energies = histogram
+        filled = counts[1:].nonzero().flatten()
         records.append({"step": step, "tensor": names.get(p, "?"), "numel": p.numel(), "eps": eps,
-                        **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)}})
+                        **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)},
+                        "hist_zeros": int(counts[0]), "hist_zeros_energy": float(energies[0]),
+                        "hist_bins": filled.tolist(), "hist_count": counts[1:][filled].long().tolist(),
+                        "hist_energy": energies[1:][filled].tolist()})
     return records
 
 

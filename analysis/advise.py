@@ -1,0 +1,326 @@
+"""The risk advisor: from one c = 1 run's sqrt(v_hat) histograms, predict what a gradient multiplier c does
+to AdamW's update, before anyone runs at c.
+
+    python -m analysis.advise RUN_DIR [--world-sizes 8,64,1024] [--scales 1e-4,1e-5] [--eps 1e-8] [--json F]
+
+Per coordinate, AdamW's update at multiplier c is m_hat / (s + eps / c), s = sqrt(v_hat) at c = 1: it
+shrinks by r = (s + eps) / (s + eps / c) against c = 1. The run's records (experiments.optim.sqrt_v_histograms)
+hold, per tensor and bin of s, the coordinate count and the energy E_b of the unscaled update at c = 1, so
+
+    update_rms_ratio(c)^2 = sum_b E_b r(s_b, c)^2 / sum_b E_b
+
+to bin resolution (1/8 decade), for every tensor group and the whole model. A world size N stands for the
+bug's c = 1/N. With --eps another eps than the run's is predicted for: the bins' m_hat^2 = E_b (s_b + eps)^2
+are reweighted by it (s is eps-independent at c = 1 to first order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from analysis.load import curve, pair_references, read_jsonl
+from analysis.theory import tensor_group
+from experiments.optim import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
+from experiments.sweep import render_table
+
+WITHIN = 0.99  # update-RMS ratio at or above: "within 1%"
+BROKEN = 0.90  # below: "broken"; in between: "noticeable"
+DEFAULT_WORLD_SIZES = tuple(2**k for k in range(1, 13))  # 2 .. 4096
+GROUPS = ("embeddings / output", "attention", "MLP", "norms", "other")
+# geometric centre of each bin; index 0 is the exact zeros (s = 0)
+BIN_S = np.concatenate([[0.0], 10.0 ** (HIST_LOG10_MIN + (np.arange(HIST_BINS) + 0.5) / HIST_BINS_PER_DECADE)])
+BIN_LOW = np.concatenate([[0.0], 10.0 ** (HIST_LOG10_MIN + np.arange(HIST_BINS) / HIST_BINS_PER_DECADE)])
+
+
+class AdviseError(Exception):
+    """Bad input: one line for the user, exit 2."""
+
+
+@dataclass
+class Histogram:
+    """One step's histogram of a set of coordinates (a tensor, a group or the model): arrays over 1 + HIST_BINS."""
+    counts: np.ndarray
+    energy: np.ndarray
+
+    def __add__(self, other: Histogram) -> Histogram:
+        return Histogram(self.counts + other.counts, self.energy + other.energy)
+
+
+def histogram_of(record: dict) -> Histogram:
+    counts, energy = np.zeros(1 + HIST_BINS), np.zeros(1 + HIST_BINS)
+    bins = np.asarray(record["hist_bins"], dtype=int) + 1
+    counts[0], energy[0] = record["hist_zeros"], record["hist_zeros_energy"]
+    counts[bins], energy[bins] = record["hist_count"], record["hist_energy"]
+    return Histogram(counts, energy)
+
+
+def update_rms_ratio(h: Histogram, c: float, eps: float, run_eps: float) -> float:
+    """Predicted RMS of AdamW's update at multiplier c over that at c = 1, both with `eps`."""
+    m_sq = h.energy * (BIN_S + run_eps) ** 2  # per bin sum of m_hat^2 (exact for eps == run_eps)
+    at_one = (m_sq / (BIN_S + eps) ** 2).sum()
+    if at_one == 0:
+        return 1.0
+    return float(math.sqrt((m_sq / (BIN_S + eps / c) ** 2).sum() / at_one))
+
+
+def eps_dominated_share(h: Histogram, c: float, eps: float) -> float:
+    """Share of coordinates with c * s < eps; the bin holding the threshold counts pro rata in log s."""
+    total = h.counts.sum()
+    if total == 0:
+        return 0.0
+    threshold = eps / c
+    below = h.counts[0] + h.counts[1:][BIN_LOW[1:] * 10 ** (1 / HIST_BINS_PER_DECADE) <= threshold].sum()
+    inside = (BIN_LOW[1:] <= threshold) & (threshold < BIN_LOW[1:] * 10 ** (1 / HIST_BINS_PER_DECADE))
+    if inside.any():
+        b = int(np.flatnonzero(inside)[0])
+        below += h.counts[1 + b] * (math.log10(threshold / BIN_LOW[1 + b]) * HIST_BINS_PER_DECADE)
+    return float(min(below / total, 1.0))
+
+
+def largest_safe_eps(h: Histogram, c: float, run_eps: float) -> float:
+    """The largest eps at which the update at c stays within 1% of that at c = 1 (bisection in log eps)."""
+    low, high = -30.0, 0.0
+    if update_rms_ratio(h, c, 10**high, run_eps) >= WITHIN:
+        return 10**high
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if update_rms_ratio(h, c, 10**mid, run_eps) >= WITHIN else (low, mid)
+    return 10**low
+
+
+def verdict(ratio: float) -> str:
+    return "within 1%" if ratio >= WITHIN else "noticeable" if ratio >= BROKEN else "broken"
+
+
+def load_histograms(run_dir: Path) -> tuple[float, dict[int, dict[str, Histogram]]]:
+    """(the run's eps, {step: {tensor group and "all": Histogram}}) from adam_stats.jsonl's records."""
+    if not run_dir.is_dir():
+        raise AdviseError(f"error: run folder {str(run_dir)!r} does not exist")
+    optimizer = _optimizer_name(run_dir)
+    if optimizer not in (None, "adamw"):
+        raise AdviseError(f"error: {run_dir} trained with optimizer={optimizer}; the advisor predicts eps's effect "
+                          "on AdamW's update (optimizer=adamw): sgd feels every factor c exactly, adam_atan2 and "
+                          "lion none")
+    records = [r for r in read_jsonl(run_dir / "adam_stats.jsonl") if "hist_bins" in r]
+    if not records:
+        raise AdviseError(f"error: {run_dir} has no sqrt(v_hat) histograms in adam_stats.jsonl (an AdamW run with "
+                          "adam_stats_every set, by this version); python -m experiments.advise runs one")
+    steps: dict[int, dict[str, Histogram]] = {}
+    for r in records:
+        groups = steps.setdefault(int(r["step"]), {})
+        h = histogram_of(r)
+        for key in (tensor_group(r["tensor"]), "all"):
+            groups[key] = groups[key] + h if key in groups else h
+    return float(records[0]["eps"]), dict(sorted(steps.items()))
+
+
+def _optimizer_name(run_dir: Path) -> str | None:
+    config = run_dir / ".hydra" / "config.yaml"
+    return OmegaConf.select(OmegaConf.load(config), "optimizer.name") if config.is_file() else None
+
+
+def advise(run_dir: Path, scales: list[float], eps: float | None = None) -> dict:
+    """The JSON contract: {"eps", "steps": [{"step", "predictions": [{"c", "update_rms_ratio",
+    "eps_dominated_share", "groups": {group: {...}}, "largest_eps_within_1pct"}]}]}."""
+    run_eps, steps = load_histograms(run_dir)
+    eps = run_eps if eps is None else eps
+    out = {"run": str(run_dir), "eps": eps, "run_eps": run_eps, "steps": []}
+    for step, groups in steps.items():
+        predictions = []
+        for c in scales:
+            whole = groups["all"]
+            predictions.append({
+                "c": c, "update_rms_ratio": update_rms_ratio(whole, c, eps, run_eps),
+                "eps_dominated_share": eps_dominated_share(whole, c, eps),
+                "largest_eps_within_1pct": largest_safe_eps(whole, c, run_eps),
+                "groups": {g: {"update_rms_ratio": update_rms_ratio(groups[g], c, eps, run_eps),
+                               "eps_dominated_share": eps_dominated_share(groups[g], c, eps),
+                               "coordinates": int(groups[g].counts.sum())}
+                           for g in GROUPS if g in groups},
+            })
+        out["steps"].append({"step": step, "predictions": predictions})
+    return out
+
+
+def predicted_onset(h: Histogram, eps: float) -> float:
+    """The multiplier c below which the predicted update RMS falls more than 1% (bisection in log c)."""
+    low, high = -15.0, 0.0
+    if update_rms_ratio(h, 10**low, eps, eps) >= WITHIN:
+        return 10**low
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (low, mid) if update_rms_ratio(h, 10**mid, eps, eps) >= WITHIN else (mid, high)
+    return 10**high
+
+
+def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """Step by step, for every AdamW run at c_eff != 1 whose reference (same setup at c = 1) has histograms:
+    the update-RMS ratio predicted from the reference's histogram of that step, and the measured ratio of the
+    two runs' train/update_rms. Columns: run, setup, c_eff, step, predicted, measured, error (relative)."""
+    references = pair_references(runs)
+    paths = dict(zip(runs.run, runs.path))
+    histograms: dict[str, tuple[float, dict] | None] = {}
+    rows = []
+    for i, r in zip(runs.index, runs.itertuples()):
+        ref = references[i]
+        if ref is None or r.optimizer != "adamw" or np.isclose(r.c_eff, 1.0):
+            continue
+        if ref not in histograms:
+            try:
+                histograms[ref] = load_histograms(Path(paths[ref]))
+            except AdviseError:
+                histograms[ref] = None
+        if histograms[ref] is None:
+            continue
+        eps, steps = histograms[ref]
+        mine, theirs = curve(curves, r.run, "train/update_rms"), curve(curves, ref, "train/update_rms")
+        for step, groups in steps.items():
+            if step in mine.index and step in theirs.index and theirs[step] > 0:
+                predicted, measured = update_rms_ratio(groups["all"], r.c_eff, eps, eps), mine[step] / theirs[step]
+                rows.append({"run": r.run, "setup": r.setup, "c_eff": r.c_eff, "step": step, "predicted": predicted,
+                             "measured": measured, "error": predicted / measured - 1})
+    return pd.DataFrame(rows, columns=["run", "setup", "c_eff", "step", "predicted", "measured", "error"])
+
+
+TRUSTED = 0.05  # relative error of the predicted update ratio the comparison calls agreement
+
+
+def advisor_summary(comparison: pd.DataFrame) -> pd.DataFrame:
+    """Per run: prediction and measurement at the first and last compared step, the largest relative error,
+    and the first step whose error passes 5% (where the prediction stops being trustworthy)."""
+    rows = []
+    for run, group in comparison.groupby("run", sort=False):
+        group = group.sort_values("step")
+        first, last = group.iloc[0], group.iloc[-1]
+        off = group[group.error.abs() > TRUSTED]
+        rows.append({"setup": first.setup, "c_eff": first.c_eff, "first step": int(first.step),
+                     "predicted": first.predicted, "measured": first.measured, "error": first.error,
+                     "last step": int(last.step), "predicted at last": last.predicted,
+                     "measured at last": last.measured, "error at last": last.error,
+                     "max abs error": group.error.abs().max(),
+                     "first step off by > 5%": int(off.step.iloc[0]) if len(off) else None, "run": run})
+    return pd.DataFrame(rows)
+
+
+def predicted_onsets(runs: pd.DataFrame) -> dict[str, float]:
+    """setup -> c where the advisor, from its c = 1 reference's first recorded histogram, predicts a 1% update
+    cut: the mark on the breakdown figure."""
+    onsets = {}
+    for r in runs[(runs.optimizer == "adamw") & np.isclose(runs.c_eff, 1.0)].itertuples():
+        try:
+            eps, steps = load_histograms(Path(r.path))
+        except AdviseError:
+            continue
+        onsets.setdefault(r.setup, predicted_onset(next(iter(steps.values()))["all"], eps))
+    return onsets
+
+
+def format_advice(advice: dict, labels: list[str]) -> str:
+    """The table for the last recorded step: one row per c (labelled by N or c), the groups that go first."""
+    last = advice["steps"][-1]
+    rows = []
+    for label, p in zip(labels, last["predictions"]):
+        first = sorted((g for g in p["groups"].items() if g[1]["update_rms_ratio"] < WITHIN),
+                       key=lambda g: g[1]["update_rms_ratio"])
+        rows.append((label, f"{p['update_rms_ratio']:.4f}", f"{p['eps_dominated_share']:.2%}",
+                     verdict(p["update_rms_ratio"]), f"{p['largest_eps_within_1pct']:.2g}",
+                     ", ".join(f"{g} {v['update_rms_ratio']:.3f}" for g, v in first) or "-"))
+    header = ("", "update ratio", "eps-dominated", "verdict", "eps within 1%", "goes first (group update ratio)")
+    return (f"{advice['run']}: AdamW, eps = {advice['eps']:g}, predicted from the sqrt(v_hat) histograms of step "
+            f"{last['step']} (the last of {len(advice['steps'])} recorded)\n"
+            f"verdict: update ratio >= {WITHIN} within 1%, >= {BROKEN} noticeable, below broken; "
+            "eps within 1%: the largest eps that keeps it within 1%\n\n" + render_table(header, rows))
+
+
+def plot_advice(advice: dict, labels_n: list[float], measured: list[tuple[float, float, str]] | None = None):
+    """Predicted update-RMS ratio against N (c = 1/N), a line per tensor group at the last recorded step and the
+    whole model at step 0; measured (N, ratio, label) points on top."""
+    import matplotlib.pyplot as plt
+
+    first, last = advice["steps"][0], advice["steps"][-1]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
+    styles = dict(zip(GROUPS, ("-o", "-s", "-^", "-v", "-x")))
+    for group in GROUPS:
+        if group in last["predictions"][0]["groups"]:
+            ax.plot(labels_n, [p["groups"][group]["update_rms_ratio"] for p in last["predictions"]],
+                    styles[group], ms=3.5, label=f"{group} (step {last['step']})")
+    ax.plot(labels_n, [p["update_rms_ratio"] for p in last["predictions"]], "k-", lw=2.2,
+            label=f"whole model (step {last['step']})")
+    if first is not last:
+        ax.plot(labels_n, [p["update_rms_ratio"] for p in first["predictions"]], "k--", lw=1.2,
+                label=f"whole model (step {first['step']})")
+    for n, ratio, label in measured or []:
+        ax.plot([n], [ratio], "r*", ms=11, zorder=5)
+        ax.annotate(label, (n, ratio), textcoords="offset points", xytext=(6, -10), fontsize=7, color="r")
+    ax.axhline(WITHIN, color="0.4", ls=":", lw=1, label="1% cut (verdict: within 1% above)")
+    ax.set(xscale="log", xlabel="world size N of the bug (c = 1/N)", ylabel="update RMS / update RMS at c = 1",
+           title=f"Predicted AdamW update cut, eps = {advice['eps']:g}")
+    ticks = [n for n in labels_n if math.log2(n) % 2 == 1 or len(labels_n) < 8]
+    ax.set_xticks(ticks, [f"{n:g}" for n in ticks])
+    ax.minorticks_off()
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig
+
+
+def _floats(text: str, key: str, integer: bool = False) -> list[float]:
+    try:
+        values = [int(v) if integer else float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise AdviseError(f"error: {key}={text!r} is not a comma-separated list of "
+                          f"{'integers' if integer else 'numbers'}") from None
+    if not values or not all(math.isfinite(v) and v > 0 for v in values) or (integer and min(values) < 1):
+        raise AdviseError(f"error: {key}={text!r}: every value must be {'an integer >= 1' if integer else '> 0'}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis.advise", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Verdicts: update-RMS ratio >= 0.99 within 1%, >= 0.90 noticeable, "
+                                            "below broken.")
+    parser.add_argument("run_dir", type=Path, help="an AdamW run folder with sqrt(v_hat) histograms "
+                        "(adam_stats_every set; python -m experiments.advise makes one)")
+    parser.add_argument("--world-sizes", default=",".join(map(str, DEFAULT_WORLD_SIZES)),
+                        help="comma-separated N: predict the bug's c = 1/N (default 2,4,...,4096)")
+    parser.add_argument("--scales", help="comma-separated multipliers c instead of world sizes, e.g. 1e-4,1e-5")
+    parser.add_argument("--eps", type=float, help="predict for this eps (default: the run's)")
+    parser.add_argument("--json", type=Path, help="also write every recorded step's predictions here")
+    parser.add_argument("--figure", type=Path, help="the figure's file (default RUN_DIR/advice.png)")
+    args = parser.parse_args(argv)
+    try:
+        if args.eps is not None and not (math.isfinite(args.eps) and args.eps > 0):
+            raise AdviseError(f"error: --eps={args.eps!r} must be > 0")
+        if args.scales:
+            scales = _floats(args.scales, "--scales")
+            labels = [f"c={c:g}" for c in scales]
+        else:
+            sizes = _floats(args.world_sizes, "--world-sizes", integer=True)
+            scales, labels = [1 / n for n in sizes], [f"N={n}" for n in sizes]
+        advice = advise(args.run_dir, scales, args.eps)
+    except AdviseError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(format_advice(advice, labels))
+    if args.json:
+        args.json.write_text(json.dumps(advice, indent=1))
+        print(f"json: {args.json}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    figure = args.figure or args.run_dir / "advice.png"
+    plot_advice(advice, [1 / c for c in scales]).savefig(figure, dpi=200)
+    print(f"figure: {figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

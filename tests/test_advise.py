@@ -1,0 +1,158 @@
+"""The risk advisor: the sqrt(v_hat) histograms it reads, its formula, its commands and its proof against runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from analysis import advise
+from analysis.load import load, read_jsonl
+from experiments.optim import HIST_BINS, sqrt_v_histograms, sqrt_v_quantiles
+from tests.conftest import OFFLINE_ENV, ROOT, TINY
+
+
+def adamw_with_state(steps: int = 3, eps: float = 1e-8):
+    """AdamW after a few steps on gradients spread over twelve decades (so that eps matters for some)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300, 70)), torch.nn.Parameter(torch.randn(50))]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, eps=eps)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p) * torch.logspace(-12, 0, p.numel()).reshape(p.shape)
+        optimizer.step()
+    return params, optimizer
+
+
+def moments(optimizer, p, steps=3):
+    state = optimizer.state[p]
+    s = (state["exp_avg_sq"].double() / (1 - 0.999**steps)).sqrt()
+    return state["exp_avg"].double() / (1 - 0.9**steps), s
+
+
+def test_histograms_hold_every_coordinate_and_the_update_energy():
+    params, optimizer = adamw_with_state()
+    histograms = sqrt_v_histograms(optimizer)
+    assert histograms.shape == (2, 2, 1 + HIST_BINS)
+    for p, (counts, energy) in zip(params, histograms):
+        m_hat, s = moments(optimizer, p)
+        assert counts.sum() == p.numel()
+        assert energy.sum().item() == pytest.approx(((m_hat / (s + 1e-8)) ** 2).sum().item(), rel=1e-5)
+    p0 = params[0]
+    optimizer.state[p0]["exp_avg_sq"][0, :10] = 0  # exact zeros go to their own slot
+    assert sqrt_v_histograms(optimizer)[0, 0, 0] == 10
+
+
+def test_predicted_ratio_and_share_match_a_per_coordinate_computation():
+    params, optimizer = adamw_with_state()
+    records = sqrt_v_quantiles(optimizer, {p: f"model.layers.0.mlp.w{i}" for i, p in enumerate(params)}, 3)
+    histogram = advise.histogram_of(records[0])
+    m_hat, s = moments(optimizer, params[0])
+    for c in (1.0, 1e-2, 1e-4, 1e-6):
+        direct = ((m_hat / (s + 1e-8 / c)).norm() / (m_hat / (s + 1e-8)).norm()).item()
+        assert advise.update_rms_ratio(histogram, c, 1e-8, 1e-8) == pytest.approx(direct, rel=0.02), c
+        share = (c * s < 1e-8).double().mean().item()
+        assert advise.eps_dominated_share(histogram, c, 1e-8) == pytest.approx(share, abs=0.01), c
+    # another eps than the run's: the same direct computation at eps 1e-10
+    direct = ((m_hat / (s + 1e-10 / 1e-4)).norm() / (m_hat / (s + 1e-10)).norm()).item()
+    assert advise.update_rms_ratio(histogram, 1e-4, 1e-10, 1e-8) == pytest.approx(direct, rel=0.02)
+    # the largest eps within 1% is where the ratio crosses 0.99
+    safe = advise.largest_safe_eps(histogram, 1e-4, 1e-8)
+    assert advise.update_rms_ratio(histogram, 1e-4, safe, 1e-8) >= 0.99 > advise.update_rms_ratio(
+        histogram, 1e-4, safe * 1.1, 1e-8)
+
+
+def advise_cli(args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "analysis.advise", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **OFFLINE_ENV}, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def advisor_sweep(tmp_path_factory, cache_dir):
+    """AdamW at c = 1, 1e-4, 1e-5 on the tiny model, histograms every step; an SGD run and one without records."""
+    sweep = tmp_path_factory.mktemp("advisor")
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    for args in (["-m", "optimizer=adamw", "scale=1,1e-4,1e-5", "adam_stats_every=1",
+                  f"hydra.sweep.dir={sweep / 'adamw'}"],
+                 ["optimizer=sgd", f"hydra.run.dir={sweep / 'sgd'}"],
+                 ["optimizer=adamw", "adam_stats_every=null", f"hydra.run.dir={sweep / 'no_records'}"]):
+        multirun, overrides = args[:1] == ["-m"], [a for a in args if a != "-m"]
+        proc = subprocess.run([sys.executable, "-m", "experiments.run", *["-m"] * multirun, *TINY, *overrides],
+                              cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep
+
+
+def test_advisor_agrees_with_measured_runs_at_step_0(advisor_sweep):
+    runs, curves = load(advisor_sweep / "adamw")
+    comparison = advise.advisor_vs_measured(runs, curves)
+    assert set(comparison.c_eff.round(8)) == {1e-4, 1e-5}
+    first = comparison[comparison.step == 0]
+    assert len(first) == 2 and (first.error.abs() < 0.05).all(), first
+    assert (first.predicted < 0.99).all()  # c = 1e-4 and 1e-5 cut the update: the agreement is not trivial
+    summary = advise.advisor_summary(comparison)
+    assert list(summary["first step"]) == [0, 0] and summary["max abs error"].notna().all()
+    onsets = advise.predicted_onsets(runs)
+    assert 1e-5 < onsets["adamw"] < 1
+
+
+def test_advise_command_prints_the_table_and_writes_the_json_contract(advisor_sweep, tmp_path):
+    reference = next((advisor_sweep / "adamw").glob("0_*"))
+    out = tmp_path / "advice.json"
+    proc = advise_cli([str(reference), "--world-sizes", "8,64,1024", "--json", str(out),
+                       "--figure", str(tmp_path / "advice.png")])
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("N=")]
+    assert [r[0] for r in rows] == ["N=8", "N=64", "N=1024"]
+    ratios = [float(r[1]) for r in rows]
+    assert ratios == sorted(ratios, reverse=True) and ratios[-1] < 1
+    advice = json.loads(out.read_text())
+    assert advice["eps"] == 1e-8
+    recorded = sorted({r["step"] for r in read_jsonl(reference / "adam_stats.jsonl")})
+    assert [s["step"] for s in advice["steps"]] == recorded
+    for step in advice["steps"]:
+        assert [p["c"] for p in step["predictions"]] == pytest.approx([1 / 8, 1 / 64, 1 / 1024])
+        for p in step["predictions"]:
+            assert 0 < p["update_rms_ratio"] <= 1 and 0 <= p["eps_dominated_share"] <= 1
+            assert math.isfinite(p["largest_eps_within_1pct"])
+    assert (tmp_path / "advice.png").stat().st_size > 0
+    scales = advise_cli([str(reference), "--scales", "1e-4,1e-5", "--eps", "1e-12", "--figure",
+                         str(tmp_path / "b.png")])
+    assert scales.returncode == 0 and "c=0.0001" in scales.stdout and "eps = 1e-12" in scales.stdout
+
+
+@pytest.mark.parametrize(("case", "args", "says"), [
+    ("sgd", [], "optimizer=sgd"),
+    ("no_records", [], "no sqrt(v_hat) histograms"),
+    ("missing", [], "does not exist"),
+    ("adamw/0_*", ["--world-sizes", "8,0"], "--world-sizes='8,0'"),
+    ("adamw/0_*", ["--scales", "1e-4,x"], "--scales='1e-4,x'"),
+])
+def test_advise_refuses_bad_input_in_one_line(advisor_sweep, case, args, says):
+    run = next(iter(advisor_sweep.glob(case)), advisor_sweep / case)
+    proc = advise_cli([str(run), *args])
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and says in proc.stderr, proc.stderr
+
+
+def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    command = [sys.executable, "-m", "experiments.advise", *TINY, "steps=3", f"hydra.run.dir={tmp_path / 'ref'}",
+               "--world-sizes", "64"]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "N=64" in proc.stdout
+    records = read_jsonl(tmp_path / "ref" / "adam_stats.jsonl")
+    assert sorted({r["step"] for r in records}) == [0, 1, 2]  # histograms on every step
+    summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
+    assert summary["effective_scale"] == 1 and summary["steps_done"] == 3
+    refused = subprocess.run([*command[:3], "scale=8"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "scale=8 is not allowed" in refused.stderr
+    assert np.isfinite(summary["final_loss"])
