@@ -1,6 +1,7 @@
 """Benchmark: the suite's training step against a bare PyTorch loop and the Hugging Face Trainer.
 
     python scripts/bench.py [OVERRIDES ...] [--steps 50] [--repeats 10] [--allocator N] [--sweep N]
+    python scripts/bench.py [OVERRIDES ...] --memory N
 
 In one process, on the same model (same init), batches and optimizer (the suite's AdamW, foreach), it
 times per optimizer step:
@@ -24,6 +25,16 @@ included, with the runs' page faults and kernel time, median of N, interleaved.
 The last line is machine-readable:
     suite/bare=<step-time ratio> suite/hf_trainer=<tokens/s ratio> utilization=<fraction>
 OVERRIDES are the suite's (model=..., batch_size=..., device=..., precision=...); default: its defaults.
+
+--memory N measures peak memory instead of time: the bare loop, the suite's loop logged every step
+(every metric, sqrt(v_hat) quantiles every step, a checkpoint) and the suite's at its default logging
+interval (its unlogged steps are one full optimizer step, as the bare loop's), MEMORY_STEPS steps each, on the model
+at two depths (MEMORY_LAYERS; width, batch and sequence from MEMORY_OVERRIDES, which OVERRIDES
+replace key by key). Each measurement is a process of its own, as ru_maxrss only ever rises in one:
+peak RSS on the CPU, torch.cuda.max_memory_allocated on CUDA, with the suite's process setting; the
+median of N, interleaved. Bytes per parameter are the slope between the two depths, so imports, data
+and the CUDA context cancel: (peak(deep) - peak(shallow)) / (parameters(deep) - parameters(shallow)).
+Its last line: memory suite/bare=<ratio> suite=<bytes/parameter> bare=<bytes/parameter> default/bare=<ratio>
 """
 
 from __future__ import annotations
@@ -72,12 +83,14 @@ def sync(device: torch.device) -> None:
 
 class Interleaved:
     """Runs the loops in turn, `block` optimizer steps at a time, each in its own greenlet on this one
-    thread (one intra-op thread pool; nothing runs concurrently). A block is timed from the moment its
-    loop is resumed to the end of its block's last optimizer step (the device synchronized there, and
-    only there), so all a loop does once per step is in its blocks: data, forward, backward, the
-    gradient pipeline, the step, and the suite's logging, statistics and checkpoint where due. A slow
-    stretch of the machine lasts over several loops' blocks and hits them alike. The first `warmup`
-    steps of each loop, and whatever it does after its last timed step, are not timed."""
+    thread (one intra-op thread pool; nothing runs concurrently). A step ends at the optimizer's
+    zero_grad (once per step in every loop; a logged suite step calls optimizer.step once per chunk).
+    A block is timed from the moment its loop is resumed to the end of its block's last step (the
+    device synchronized there, and only there), so all a loop does once per step is in its blocks:
+    data, forward, backward, the gradient pipeline, the step, and the suite's logging, statistics and
+    checkpoint where due. A slow stretch of the machine lasts over several loops' blocks and hits them
+    alike. The first `warmup` steps of each loop, and whatever it does after its last timed step, are
+    not timed."""
 
     def __init__(self, warmup: int, steps: int, block: int, device: torch.device):
         self.warmup, self.steps, self.block, self.device = warmup, steps, block, device
@@ -86,10 +99,10 @@ class Interleaved:
     def add(self, name: str, loop, optimizer: torch.optim.Optimizer) -> None:
         """loop: a function of no arguments that runs warmup + steps steps of `optimizer`."""
         state = {"calls": 0, "seconds": 0.0, "greenlet": greenlet.greenlet(loop)}
-        inner = optimizer.step
+        inner = optimizer.zero_grad
 
         @functools.wraps(inner)
-        def step(*args, **kwargs):
+        def zero_grad(*args, **kwargs):
             out = inner(*args, **kwargs)
             state["calls"] += 1
             timed = state["calls"] - self.warmup
@@ -100,7 +113,7 @@ class Interleaved:
                 torch.set_grad_enabled(grad_enabled)
             return out
 
-        optimizer.step = step
+        optimizer.zero_grad = zero_grad
         self.loops[name] = state
 
     def run(self) -> dict[str, float]:
@@ -121,7 +134,7 @@ class Interleaved:
     def resume(self, state: dict) -> None:
         state["greenlet"].switch()
         if state["greenlet"].dead and state["calls"] < self.warmup + self.steps:
-            raise RuntimeError(f"a loop ended after {state['calls']} optimizer steps, not {self.warmup + self.steps}")
+            raise RuntimeError(f"a loop ended after {state['calls']} steps, not {self.warmup + self.steps}")
 
 
 def bare_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
@@ -162,7 +175,11 @@ def suite_loop(model, optimizer, batches, cfg, device, steps: int, log_every: in
 
 def hf_trainer_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
     """transformers.Trainer on the same batches and optimizer, logging and saving off."""
-    from transformers import PrinterCallback, Trainer, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    class EndOfStep(TrainerCallback):  # the Trainer zeroes the model's gradients, never the optimizer's
+        def on_step_end(self, *args, **kwargs):
+            optimizer.zero_grad(set_to_none=True)
 
     # HF shifts labels inside the model: label t is the input t, masked where our target t-1 is masked
     rows = []
@@ -177,7 +194,8 @@ def hf_trainer_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
             save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
             use_cpu=device.type == "cpu", bf16=cfg.precision == "bf16", seed=cfg.seed,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=rows, optimizers=(optimizer, None))
+        trainer = Trainer(model=model, args=args, train_dataset=rows, optimizers=(optimizer, None),
+                          callbacks=[EndOfStep()])
         trainer.remove_callback(PrinterCallback)  # its end-of-training line would break up the progress lines
         trainer.train()
 
@@ -254,6 +272,85 @@ def wall_times(variants: dict[str, tuple[list[str], dict]], repeats: int) -> dic
 
 WARMUP = 5  # steps per loop before its clock starts: allocator, caches, the suite's step-0 record
 
+# --memory: parameters well above activations and logits (a few tokens per step), so the slope is the
+# loops' memory per parameter; every metric and statistic every step, and one checkpoint
+MEMORY_OVERRIDES = ["model.hidden_size=512", "model.intermediate_size=1408", "model.num_attention_heads=8",
+                    "model.num_key_value_heads=2", "model.head_dim=64", "batch_size=8", "seq_len=16",
+                    "data.packed=true", "adam_stats_every=1", "checkpoint_every=2"]
+MEMORY_LAYERS = (2, 6)
+MEMORY_STEPS = 4  # the Adam state exists from the first step on; the checkpoint after the second
+MEMORY_LOOPS = {"bare": bare_loop, "suite, logged every step": functools.partial(suite_loop, log_every=1),
+                "suite": suite_loop}  # logged at the config's interval: unlogged steps take one full step
+
+
+def with_overrides(defaults: list[str], overrides: list[str]) -> list[str]:
+    """defaults, each replaced by an override of the same key (Hydra refuses a key given twice)."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return [d for d in defaults if d.split("=", 1)[0] not in keys] + overrides
+
+
+def memory_probe(loop: str, overrides: list[str]) -> tuple[int, int]:
+    """In this process: (peak bytes, parameters) of MEMORY_STEPS steps of `loop`."""
+    from experiments import data, model, parallel
+    from experiments.optim import build_optimizer
+
+    run.keep_freed_memory()
+    cfg = compose(overrides)
+    device = parallel.device_for(cfg.device)
+    examples = data.load_examples(cfg.data)
+    tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
+    batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    run_model = model.build_model(cfg.model, cfg.seed, device)
+    optimizer = build_optimizer(cfg.optimizer, list(run_model.parameters()))
+    MEMORY_LOOPS[loop](run_model, optimizer, batches, cfg, device, MEMORY_STEPS)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return peak, sum(p.numel() for p in run_model.parameters())
+
+
+def memory(overrides: list[str], repeats: int) -> tuple[dict[str, dict[int, float]], dict[int, int]]:
+    """Per loop, its median peak bytes at each of MEMORY_LAYERS over `repeats` (one process per
+    measurement, interleaved); and the parameters at each depth."""
+    overrides = with_overrides(MEMORY_OVERRIDES, overrides)
+    peaks = {name: {layers: [] for layers in MEMORY_LAYERS} for name in MEMORY_LOOPS}
+    n_params = {}
+    for repeat in range(repeats):
+        for layers in MEMORY_LAYERS:
+            for name in MEMORY_LOOPS:
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--memory-probe", name,
+                     *with_overrides(overrides, [f"model.num_hidden_layers={layers}"])],
+                    cwd=ROOT, capture_output=True, text=True, env=os.environ | {"WANDB_MODE": "disabled"},
+                )
+                if proc.returncode != 0:
+                    raise SystemExit(f"error: {name} with {layers} layers failed:\n{proc.stderr[-2000:]}")
+                peak, n_params[layers] = map(int, proc.stdout.split()[-2:])
+                peaks[name][layers].append(peak)
+        print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
+            f"{name} {layers} layers {peaks[name][layers][-1] / 2**20:,.1f}" for name in MEMORY_LOOPS
+            for layers in MEMORY_LAYERS) + " MiB peak", flush=True)
+    return {name: {layers: statistics.median(v) for layers, v in by_layers.items()}
+            for name, by_layers in peaks.items()}, n_params
+
+
+def print_memory(peaks: dict[str, dict[int, float]], n_params: dict[int, int]) -> None:
+    shallow, deep = MEMORY_LAYERS
+    per_param = {name: (peak[deep] - peak[shallow]) / (n_params[deep] - n_params[shallow])
+                 for name, peak in peaks.items()}
+    bare, suite = per_param["bare"], per_param["suite, logged every step"]
+    print(f"\n| loop | peak MiB, {shallow} layers ({n_params[shallow] / 1e6:.2f}M parameters) | peak MiB, {deep} "
+          f"layers ({n_params[deep] / 1e6:.2f}M) | bytes/parameter | vs bare |\n|---|---|---|---|---|")
+    for name, peak in peaks.items():
+        print(f"| {name} | {peak[shallow] / 2**20:,.1f} | {peak[deep] / 2**20:,.1f} | {per_param[name]:.2f} | "
+              f"{per_param[name] / bare:.3f} |")
+    print("(medians over repeats; bytes/parameter: the slope of the peak between the two depths)")
+    print(f"memory suite/bare={suite / bare:.4f} suite={suite:.2f} bare={bare:.2f} "
+          f"default/bare={per_param['suite'] / bare:.4f}")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -265,9 +362,22 @@ def main(argv: list[str] | None = None) -> int:
                         "glibc's malloc settings and with the suite's (freed memory kept), N times each")
     parser.add_argument("--sweep", type=int, default=0, metavar="N",
                         help="also time the default sweep, sequential and parallel, N times each")
+    parser.add_argument("--memory", type=int, default=0, metavar="N", help="instead of timing, the peak memory "
+                        "per parameter of the bare loop and of the suite's logged every step: the slope between "
+                        f"{MEMORY_LAYERS[0]} and {MEMORY_LAYERS[1]} layers, one process per measurement, median "
+                        "of N")
+    parser.add_argument("--memory-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --memory
     args = parser.parse_args(argv)
+    if args.memory_probe:
+        print(*memory_probe(args.memory_probe, args.overrides))
+        return 0
     if args.steps < 1 or args.repeats < 1:
         parser.error(f"--steps={args.steps} must be >= 1 and --repeats={args.repeats} >= 1")
+    if args.memory < 0:
+        parser.error(f"--memory={args.memory} must be >= 0")
+    if args.memory:
+        print_memory(*memory(args.overrides, args.memory))
+        return 0
 
     from experiments import data, model, parallel
     from experiments.optim import build_optimizer

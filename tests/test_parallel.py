@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from analysis.load import read_jsonl
 from experiments.sweep import job_dirs
 from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics, train_records
 
@@ -49,10 +50,24 @@ def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
             for strategy in ("ddp", "fsdp2"):
                 curve = [r["train/loss"] for r in runs[(strategy, optimizer, fix)]]
                 assert curve == pytest.approx(reference, rel=1e-5), (strategy, optimizer, fix)
+                for key in ("train/update_rms", "train/param_norm"):  # over all shards, as emulated
+                    assert [r[key] for r in runs[(strategy, optimizer, fix)]] == pytest.approx(
+                        [r[key] for r in runs[("emulated", optimizer, fix)]], rel=1e-4), (key, strategy, optimizer)
         for ranks in ("emulated", "ddp", "fsdp2"):  # the logged grad-norm ratio at step 0 is exactly N
             ratio = runs[(ranks, optimizer, True)][0]["train/grad_norm"] / runs[(ranks, optimizer, False)][0][
                 "train/grad_norm"]
             assert ratio == pytest.approx(2.0, rel=1e-5), ranks
+    # the sqrt(v_hat) histograms cover every shard: FSDP2's records equal emulation's
+    histograms = {}
+    for d in [*job_dirs(tmp_path / "real"), *job_dirs(tmp_path / "emulated")]:
+        summary = json.loads((d / "summary.json").read_text())
+        if summary["optimizer"] == "adamw" and summary["fix"]:
+            histograms[summary["ranks"]] = [r for r in read_jsonl(d / "adam_stats.jsonl") if r["step"] == 0]
+    for strategy in ("ddp", "fsdp2"):
+        assert len(histograms[strategy]) == len(histograms["emulated"])
+        for mine, emulated in zip(histograms[strategy], histograms["emulated"]):
+            assert sum(mine["hist_count"]) + mine["hist_zeros"] == emulated["numel"] == mine["numel"], strategy
+            assert sum(mine["hist_energy"]) == pytest.approx(sum(emulated["hist_energy"]), rel=1e-4), strategy
     # only rank 0 writes the run's files; rank 1 keeps its own log
     first = job_dirs(tmp_path / "real")[0]
     assert (first / "run.rank1.log").exists() and not list(first.glob("*rank1*.json*"))

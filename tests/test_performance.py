@@ -31,10 +31,29 @@ def test_bench_runs_every_loop_and_ends_with_its_ratios(cache_dir):
     assert all(float(x) > 0 for x in match.groups())
 
 
+def test_bench_memory_measures_every_loop_at_two_depths(cache_dir):
+    """--memory on a narrow model: one process per loop and depth, the table, and the ratios line."""
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    narrow = ["model.init=random", "model.hidden_size=64", "model.intermediate_size=128",
+              "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=16"]
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--memory", "1", *narrow], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for loop in ("| bare |", "| suite, logged every step |", "| suite |"):
+        assert loop in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    match = re.fullmatch(r"memory suite/bare=(-?[\d.]+) suite=(-?[\d.]+) bare=([\d.]+) default/bare=(-?[\d.]+)", last)
+    assert match, last
+    assert float(match[3]) > 0  # the bare loop's slope: its Adam state alone is 8 bytes per parameter
+
+
 def test_bench_refuses_too_few_steps():
     proc = subprocess.run([sys.executable, "scripts/bench.py", "--steps", "0"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "--steps=0 must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--memory", "-1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--memory=-1 must be >= 0" in proc.stderr
 
 
 def test_parallel_jobs_share_the_cores(monkeypatch):
@@ -101,7 +120,7 @@ def load_bench():
 
 
 class FakeOptimizer:
-    def step(self):
+    def zero_grad(self):
         pass
 
 
@@ -118,7 +137,7 @@ def test_interleaved_times_only_the_timed_steps_in_turns(monkeypatch):
             for step in range(warmup + steps):
                 clock[0] += 1000.0 if step < warmup else cost  # warm-up steps: slow, and not timed
                 order.append((name, step))
-                optimizer.step()
+                optimizer.zero_grad()
             clock[0] += 1000.0  # after the last step (final eval, closing the log): not timed
         return loop
 
@@ -135,6 +154,6 @@ def test_interleaved_refuses_a_loop_that_stops_early():
     bench = load_bench()
     optimizer = FakeOptimizer()
     interleaved = bench.Interleaved(1, 5, 5, torch.device("cpu"))
-    interleaved.add("short", lambda: [optimizer.step() for _ in range(3)], optimizer)
-    with pytest.raises(RuntimeError, match="a loop ended after 3 optimizer steps, not 6"):
+    interleaved.add("short", lambda: [optimizer.zero_grad() for _ in range(3)], optimizer)
+    with pytest.raises(RuntimeError, match="a loop ended after 3 steps, not 6"):
         interleaved.run()
