@@ -192,11 +192,20 @@ class Config:
     checkpoint_every: int | None = 50  # checkpoint.pt for resuming a killed run; null: off
 
 
+def times(value: int, factor: float) -> int:
+    product = value * factor
+    if product != int(product) or product < 1:
+        raise ConfigError(f"error: {value} x {factor} = {product:g} is not a whole dimension >= 1")
+    return int(product)
+
+
 def register_configs() -> None:
     # run.log on rank 0 (and when emulated), run.rank1.log ... on the other torchrun ranks
     OmegaConf.register_new_resolver(
         "rank_suffix", lambda: "" if os.environ.get("RANK", "0") == "0" else f".rank{os.environ['RANK']}", replace=True
     )
+    # ${times:${model.hidden_size},2.75}: a dimension that scales with another (presets over model width)
+    OmegaConf.register_new_resolver("times", times, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     # schemas live apart from the user's choices, so `optimizer=...` lists only real options

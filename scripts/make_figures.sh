@@ -9,12 +9,31 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export WANDB_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precision smollm2_world_size_fix smollm2_breakdown}
+studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precision width_scaling smollm2_world_size_fix smollm2_breakdown}
 for name in $studies; do
   rm -rf "multirun/figures/$name"
   STUDY_DIR="multirun/figures/$name" PYTHON="$PY" scripts/study.sh "$name" wandb.mode=disabled
   "$PY" -m analysis.report "multirun/figures/$name" --out "docs/figures/$name"
 done
+if [[ " $studies " == *" smollm2_breakdown "* ]]; then  # the README's advisor output on SmolLM2, and its figure
+  rm -rf multirun/figures/advise_smollm2
+  "$PY" -m experiments.advise model=smollm2_135m optimizer.lr=1e-5 batch_size=8 seq_len=64 \
+    hydra.run.dir=multirun/figures/advise_smollm2 --world-sizes 8,64,512,4096 --json multirun/figures/advise_smollm2/advice.json
+  mkdir -p docs/figures/advise_smollm2
+  cp multirun/figures/advise_smollm2/advice.{png,json} docs/figures/advise_smollm2/
+fi
+# width_scaling's other two arms (depth; the pretrained base at three widths), fitted with the first, and
+# SmolLM2's advisor run beside the fits when it is there
+if [[ " $studies " == *" width_scaling "* ]]; then
+  for arm in "depth model.hidden_size=64 model.num_hidden_layers=1,2,4,8" \
+             "pretrained model.init=pretrained model.hidden_size=32,64,128"; do
+    rm -rf "multirun/figures/width_scaling_${arm%% *}"
+    "$PY" -m experiments.run -m experiment=width_scaling ${arm#* } hydra.sweep.dir="multirun/figures/width_scaling_${arm%% *}"
+  done
+  point=multirun/figures/advise_smollm2
+  "$PY" -m analysis.scaling multirun/figures/width_scaling{,_depth,_pretrained} --out docs/figures/width_scaling \
+    $([ -d "$point" ] && echo --point "$point")
+fi
 for pair in 01_world_size_fix:world_size_fix 02_adam_invariance_breakdown:scale_sweep; do
   notebook=${pair%%:*} sweep=multirun/figures/${pair##*:}
   if [ -d "$sweep" ]; then  # --out: the committed notebook, on purpose

@@ -20,4 +20,7 @@ dir=${STUDY_DIR:-multirun/studies/$name/$(date +%Y-%m-%d_%H-%M-%S)}
 WANDB_MODE=${WANDB_MODE:-offline} "$PY" -m experiments.run -m experiment="$name" hydra.sweep.dir="$dir" "$@"
 status=$?
 [ -d "$dir" ] && "$PY" -m analysis.report "$dir" || status=$((status ? status : 1))
+if [ "$name" = width_scaling ] && [ -d "$dir" ]; then  # its question is answered by the fit, not the pairs
+  "$PY" -m analysis.scaling "$dir" || status=$((status ? status : 1))
+fi
 exit "$status"
