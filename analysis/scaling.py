@@ -160,7 +160,7 @@ def _statistic(quantity: str) -> str:
 
 PANELS = (("s_median embeddings / output", "s_q10 embeddings / output", "embeddings / output: sqrt(v_hat)"),
           ("s_median all", "s_q10 all", "whole model: sqrt(v_hat)"),
-          ("n_1pct", None, "largest N with the update within 1%"))
+          ("n_1pct", None, "N_1%: largest N with the update within 1%"))
 
 
 def plot_scaling(table: pd.DataFrame, points: pd.DataFrame | None = None):
@@ -172,16 +172,19 @@ def plot_scaling(table: pd.DataFrame, points: pd.DataFrame | None = None):
     grid = np.logspace(math.log10(table.parameters.min()) - 0.2, math.log10(max(LLAMA_SIZES.values())) + 0.1, 50)
     colors = dict(zip(sorted(table.series.unique()), ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
     for ax, (first, second, title) in zip(axes, PANELS):
+        shown = []  # the points and fitted lines: the axis covers them, not the widest intervals
         for series, runs in table.groupby("series"):
             for quantity, marker, style in ((first, "o", "-"), (second, "v", "--")):
                 if quantity is None or quantity not in runs:
                     continue
                 ax.scatter(runs.parameters, runs[quantity], marker=marker, color=colors[series],
                            label=f"{series}, {_statistic(quantity)}")
+                shown += list(runs[quantity])
                 fit = fit_power_law(runs.parameters.to_numpy(float), runs[quantity].to_numpy(float))
                 if fit is None:
                     continue
                 predicted = np.array([fit["predict"](p) for p in grid])
+                shown += list(predicted[:, 0])
                 ax.plot(grid, predicted[:, 0], style, color=colors[series], lw=1,
                         label=f"fit: exponent {fit['b']:.2f} ± {fit['b_stderr']:.2f}")
                 if marker == "o":
@@ -191,16 +194,21 @@ def plot_scaling(table: pd.DataFrame, points: pd.DataFrame | None = None):
                 if quantity is not None and np.isfinite(p.get(quantity, np.nan)):
                     ax.scatter(p.parameters, p[quantity], marker=marker, s=160, color="black",
                                label=f"{p.model}, {_statistic(quantity)}")
+                    shown.append(p[quantity])
         for name, size in LLAMA_SIZES.items():
             ax.axvline(size, color="grey", lw=0.8, ls=":")
             ax.text(size, 1.01, name.removeprefix("Llama 3.2 "), transform=ax.get_xaxis_transform(), ha="center",
                     va="bottom", fontsize=8, color="grey")
+        shown = np.array([v for v in shown if np.isfinite(v) and v > 0])
         ax.set(xscale="log", yscale="log", xlabel="trained parameters")
+        if shown.size:
+            ax.set_ylim(shown.min() / 5, shown.max() * 5)
         ax.set_title(title, pad=14)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("sqrt(v_hat)")
     axes[2].set_ylabel("world size N (at the runs' eps)")
-    fig.suptitle("Adam's second moment against model size (shaded: 95% prediction interval of the first fit)")
+    fig.suptitle("Adam's second moment against model size: fits per series, extended to Llama 3.2 1B / 3B "
+                 "(shaded: the median fit's 95% prediction interval)")
     fig.tight_layout()
     return fig
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/figures/ (the figures and report.md of every study preset, as docs/findings.md cites
 # them) and the committed notebook outputs, from real runs: the tiny presets on the pretrained tiny base
-# (about 50 minutes on 2 CPU cores), then the two SmolLM2 presets (about 25 and 30 more); each study is
+# (about 50 minutes on 2 CPU cores; width_scaling and its two other arms about 16 more), then the two
+# SmolLM2 presets (about 25 and 30 more) and the advisor on SmolLM2 (about 9); each study is
 # `scripts/study.sh NAME`, i.e.
 #   python -m experiments.run -m experiment=NAME
 # Sweeps go to multirun/figures/NAME (replaced). One thread per run, as the findings were measured.
