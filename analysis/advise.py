@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from analysis.load import curve, pair_references, read_jsonl
+from analysis.load import curve, pair_references, read_jsonl, short_number
 from analysis.theory import tensor_group
 from experiments.optim import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
 from experiments.sweep import render_table
@@ -232,11 +232,11 @@ def format_advice(advice: dict, labels: list[str]) -> str:
         first = sorted((g for g in p["groups"].items() if g[1]["update_rms_ratio"] < WITHIN),
                        key=lambda g: g[1]["update_rms_ratio"])
         rows.append((label, f"{p['update_rms_ratio']:.4f}", f"{p['eps_dominated_share']:.2%}",
-                     verdict(p["update_rms_ratio"]), f"{p['largest_eps_within_1pct']:.2g}",
+                     verdict(p["update_rms_ratio"]), short_number(p['largest_eps_within_1pct'], 2),
                      ", ".join(f"{g} {v['update_rms_ratio']:.3f}" for g, v in first) or "-"))
     header = ("", "update ratio", "eps-dominated", "verdict", "eps within 1%", "goes first (group update ratio)")
-    return (f"{advice['run']}: AdamW, eps = {advice['eps']:g}, predicted from the sqrt(v_hat) histograms of step "
-            f"{last['step']} (the last of {len(advice['steps'])} recorded)\n"
+    return (f"{advice['run']}: AdamW, eps = {short_number(advice['eps'])}, predicted from the sqrt(v_hat) histograms "
+            f"of step {last['step']} (the last of {len(advice['steps'])} recorded)\n"
             f"verdict: update ratio >= {WITHIN} within 1%, >= {BROKEN} noticeable, below broken; "
             "eps within 1%: the largest eps that keeps it within 1%\n\n" + render_table(header, rows))
 
@@ -263,7 +263,7 @@ def plot_advice(advice: dict, labels_n: list[float], measured: list[tuple[float,
         ax.annotate(label, (n, ratio), textcoords="offset points", xytext=(6, -10), fontsize=7, color="r")
     ax.axhline(WITHIN, color="0.4", ls=":", lw=1, label="1% cut (verdict: within 1% above)")
     ax.set(xscale="log", xlabel="world size N of the bug (c = 1/N)", ylabel="update RMS / update RMS at c = 1",
-           title=f"Predicted AdamW update cut, eps = {advice['eps']:g}")
+           title=f"Predicted AdamW update cut, eps = {short_number(advice['eps'])}")
     ticks = [n for n in labels_n if math.log2(n) % 2 == 1 or len(labels_n) < 8]
     ax.set_xticks(ticks, [f"{n:g}" for n in ticks])
     ax.minorticks_off()
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             raise AdviseError(f"error: --eps={args.eps!r} must be > 0")
         if args.scales:
             scales = _floats(args.scales, "--scales")
-            labels = [f"c={c:g}" for c in scales]
+            labels = [f"c={short_number(c)}" for c in scales]
         else:
             sizes = _floats(args.world_sizes, "--world-sizes", integer=True)
             scales, labels = [1 / n for n in sizes], [f"N={n}" for n in sizes]

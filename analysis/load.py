@@ -15,7 +15,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from analysis.theory import effective_multiplier
-from experiments.sweep import job_dirs
+from experiments.sweep import job_dirs, job_overrides
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,34 @@ def _run_row(run_dir: Path, name: str) -> dict:
     }
 
 
+def run_names(dirs: list[Path]) -> list[str]:
+    """A short unique name per run: its folder's name without the overrides every job of its sweep shares
+    (`experiment=scale_sweep`, `smoke=on`), prefixed by the sweep folder when several sweeps are loaded."""
+    by_sweep: dict[Path, list[Path]] = {}
+    for d in dirs:
+        by_sweep.setdefault(d.parent, []).append(d)
+    shared = {parent: set.intersection(*(set(job_overrides(d)) for d in jobs)) if len(jobs) > 1 else set()
+              for parent, jobs in by_sweep.items()}
+    names = []
+    for d in dirs:
+        number, _, overrides = d.name.partition("_")
+        for override in shared[d.parent]:  # whole overrides only: a value may hold commas itself
+            if overrides == override:
+                overrides = ""
+            elif overrides.startswith(override + ","):
+                overrides = overrides[len(override) + 1:]
+            elif overrides.endswith("," + override):
+                overrides = overrides[: -len(override) - 1]
+            else:
+                overrides = overrides.replace("," + override + ",", ",")
+        if not number.isdigit():  # a single run's folder, named by its user
+            name = d.name
+        else:
+            name = f"{number}_{overrides}" if overrides else number
+        names.append(f"{d.parent.name}/{name}" if len(by_sweep) > 1 else name)
+    return names
+
+
 def model_label(model_cfg) -> str:
     """Which weights a run started from: the model's name, and for the tiny model whether its base was
     pretrained or random (a user's model.path is named by its folder)."""
@@ -100,10 +128,9 @@ def model_label(model_cfg) -> str:
 def load(paths: list[str | Path] | str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(runs, curves) for the sweeps or runs at `paths`."""
     dirs = run_dirs([paths] if isinstance(paths, (str, Path)) else list(paths))
-    multiple_parents = len({d.parent for d in dirs}) > 1
+    names = run_names(dirs)
     rows, curves = [], []
-    for d in dirs:
-        name = f"{d.parent.name}/{d.name}" if multiple_parents else d.name
+    for d, name in zip(dirs, names):
         rows.append(_run_row(d, name))
         for record in read_jsonl(d / "metrics.jsonl"):
             step = record.get("step")
@@ -138,7 +165,20 @@ def setup_labels(runs: pd.DataFrame) -> pd.Series:
 def _short(value) -> str:
     if value is None or (isinstance(value, float) and value != value):
         return "off"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return short_number(value) if isinstance(value, float) else str(value)
+
+
+def short_number(value: float, digits: int = 3) -> str:
+    """One short format for every number a person reads (labels, ticks, tables): plain between 0.01 and
+    1000 (0.125, 8, 0.03), else a compact power of ten (1e-8, 1.25e-4, 1e4); `digits` significant."""
+    value = float(value)
+    if value == 0 or not np.isfinite(value):
+        return f"{value:g}"
+    if 1e-2 <= abs(value) < 1e3:
+        return f"{value:.{digits}g}"
+    mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
 
 
 def curve(curves: pd.DataFrame, run: str, metric: str) -> pd.Series:
@@ -173,10 +213,12 @@ def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
     for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna() & (runs.weight_decay == 0)].itertuples():
         if r.optimizer == "sgd":
             match = np.isclose(unit.lr, r.lr * r.c_eff, rtol=1e-6, atol=0) & unit.eps.isna()
-            rule = f"SGD(lr={r.lr:g}, c={r.c_eff:g}) == SGD(lr={r.lr * r.c_eff:g}, c=1)"
+            rule = (f"SGD(lr={short_number(r.lr)}, c={short_number(r.c_eff)}) == "
+                    f"SGD(lr={short_number(r.lr * r.c_eff)}, c=1)")
         elif r.optimizer == "adamw":
             match = np.isclose(unit.eps, r.eps / r.c_eff, rtol=1e-6, atol=0) & (unit.lr == r.lr)
-            rule = f"AdamW(c={r.c_eff:g}, eps={r.eps:g}) == AdamW(c=1, eps={r.eps / r.c_eff:g})"
+            rule = (f"AdamW(c={short_number(r.c_eff)}, eps={short_number(r.eps)}) == "
+                    f"AdamW(c=1, eps={short_number(r.eps / r.c_eff)})")
         else:
             continue
         mine = {k: _key(getattr(r, k)) for k in keys}

@@ -1,32 +1,114 @@
-"""Pure plotting functions: tables from analysis.load in, a matplotlib Figure out."""
+"""Pure plotting functions: tables from analysis.load in, a matplotlib Figure out.
+
+What every figure does, so that a reader can compare at a glance:
+- panels that compare setups share their y-axis, so sizes compare across panels;
+- numbers in ticks and legends in one short format (analysis.load.short_number: 1e-8, 0.125, 1e4);
+- exact zeros, which a log axis cannot show, sit on a floor line the legend names;
+- a diverged run is cut where it leaves the others' range and marked x there, so it flattens nothing;
+- each line has its own colour, line style and marker (markers staggered), so coinciding lines stay
+  visible, and the legend says "identical to ..." when they coincide exactly;
+- one legend per figure, outside the data.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from matplotlib import ticker
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-from analysis.load import curve, pair_references
+from analysis.load import curve, pair_references, short_number
 from analysis.theory import clipped_share as predicted_clipped_share
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
 # notebook shows each returned figure exactly once.
 
-
-# Cycled within a panel, so that runs whose curves coincide (the point of several comparisons) stay visible.
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf")
 LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h")
+FLOOR = 1e-7  # where an exact zero of |Δ loss| is drawn: below float32's resolution of a loss near 1..10
+PANEL = (3.9, 2.9)  # inches per panel: two panels side by side stay legible at the README's width
 
 
-def _label(r) -> str:
-    return f"scale={r.scale:g} fix={'on' if r.fix else 'off'} (c_eff={r.c_eff:g})"
+class Styles:
+    """One look per label, the same in every panel of a figure; colour, line style and marker all change
+    from one label to the next."""
+
+    def __init__(self):
+        self.styles: dict[str, dict] = {}
+
+    def __call__(self, label: str) -> dict:
+        if label not in self.styles:
+            i = len(self.styles)
+            self.styles[label] = {"color": COLORS[i % len(COLORS)], "ls": LINE_STYLES[i % len(LINE_STYLES)],
+                                  "marker": MARKERS[i % len(MARKERS)]}
+        return self.styles[label]
 
 
-def _panels(keys, title: str, height: float = 3.6, sharey: bool = False):
-    """One axes per distinct key (setup or optimizer), four to a row."""
+class CurveFigure:
+    """Panels of curves sharing one legend: draws each series in its label's style, cut (and marked x) where
+    a diverged run leaves the range of the others, and records what it drew to tell coinciding lines apart."""
+
+    def __init__(self, keys, title: str, sharey: bool = True, log_y: bool = False):
+        self.fig, self.axes = _panels(keys, title, sharey=sharey)
+        self.styles, self.log_y = Styles(), log_y
+        self.drawn: dict[tuple[str, str], pd.Series] = {}
+        self.diverged = self.zeros = False
+
+    def draw(self, key: str, series: pd.Series, label: str, top: float | None = None, **extra) -> Line2D | None:
+        series = series.astype(float)
+        if series.empty:
+            return None
+        ax, style = self.axes[key], self.styles(label)
+        x, y = series.index.to_numpy(), series.to_numpy()
+        cut = _first_off_scale(y, top)
+        if cut is not None:
+            x, y = x[: cut + 1], np.append(y[:cut], top)
+        if self.log_y and (y == 0).any():
+            y, self.zeros = np.where(y == 0, FLOOR, y), True
+        every = max(1, len(x) // 6)
+        line, = ax.plot(x, y, color=style["color"], ls=style["ls"], marker=style["marker"], ms=4.5, lw=1.3,
+                        markevery=(len(ax.get_lines()) % every, every), **extra)
+        if cut is not None:
+            ax.plot(x[-1:], [top], "x", color=style["color"], ms=9, mew=2, clip_on=False)
+            self.diverged = True
+        self.drawn[key, label] = series
+        return line
+
+    def finish(self, xlabel: str, ylabel: str, extra_handles=()) -> Figure:
+        for name, ax in self.axes.items():
+            ax.set(title=name, xlabel=xlabel)
+            if self.log_y:
+                ax.set_yscale("log")
+            if self.zeros:
+                ax.axhline(FLOOR, color="0.5", ls=(0, (1, 2)), lw=0.8, gid="floor")
+            plain_ticks(ax)
+        for ax in list(self.axes.values())[:: self._columns()]:
+            ax.set_ylabel(ylabel)
+        handles = [_handle(label + _coincidence(label, self.drawn), style)
+                   for label, style in self.styles.styles.items()]
+        handles += list(extra_handles)
+        if self.zeros:
+            handles.append(Line2D([], [], color="0.5", ls=(0, (1, 2)), lw=0.8,
+                                  label=f"exact 0, drawn at {short_number(FLOOR)}"))
+        if self.diverged:
+            handles.append(Line2D([], [], color="k", marker="x", ls="", ms=8, mew=2,
+                                  label="diverged: cut where it leaves the axis"))
+        _legend(self.fig, handles)
+        return self.fig
+
+    def _columns(self) -> int:
+        return min(len(self.axes), 2)
+
+
+def _panels(keys, title: str, sharey: bool = False, size: tuple[float, float] = PANEL):
+    """One axes per distinct key (setup or optimizer), two to a row."""
     keys = list(dict.fromkeys(keys))
-    cols = min(len(keys), 4)
+    cols = min(len(keys), 2)
     rows = -(-len(keys) // cols)
-    fig = Figure(figsize=(5.2 * cols, height * rows))
+    fig = Figure(figsize=(size[0] * cols, size[1] * rows + 0.5), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False, sharey=sharey).flatten()
     for ax in axes[len(keys):]:
         ax.set_visible(False)
@@ -34,25 +116,108 @@ def _panels(keys, title: str, height: float = 3.6, sharey: bool = False):
     return fig, dict(zip(keys, axes))
 
 
-def _per_setup(runs: pd.DataFrame, title: str, height: float = 3.6):
-    """A panel per setup: the optimizer and whichever of finetune, eps, clip, precision vary (analysis.load)."""
-    return _panels(runs.setup, title, height)
+def _single(title: str, size: tuple[float, float] = (6.0, 3.6)):
+    fig = Figure(figsize=size, layout="constrained")
+    ax = fig.subplots()
+    fig.suptitle(title)
+    return fig, ax
+
+
+def _legend(fig: Figure, handles) -> None:
+    """Below the panels, in as many columns as the labels' length allows: the figure keeps its width and
+    grows in height by the legend's, so the panels keep theirs."""
+    if handles:
+        longest = max(len(h.get_label().split("\n")[0]) for h in handles)
+        columns = 3 if longest < 22 else 2 if longest < 48 else 1
+        rows = -(-len(handles) // columns) + max(h.get_label().count("\n") for h in handles)
+        fig.set_figheight(fig.get_figheight() + 0.2 * rows + 0.15)
+        fig.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize=8.5, frameon=False)
+
+
+def _handle(label: str, style: dict) -> Line2D:
+    return Line2D([], [], color=style["color"], ls=style["ls"], marker=style["marker"], ms=4.5, lw=1.3, label=label)
+
+
+def plain_ticks(ax) -> None:
+    """Log axes labelled 1e-4, 0.01, 1, 100 instead of 10^x (and 8, 7.998 instead of 7.998x10^0 when the
+    range spans less than a decade); minor ticks unlabelled."""
+    for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+        if scale != "log":
+            if isinstance(axis.get_major_formatter(), ticker.ScalarFormatter):
+                axis.get_major_formatter().set_useOffset(False)  # 3.2, 3.4 rather than 0.2, 0.4 + 3
+            continue
+        low, high = sorted(axis.get_view_interval())
+        if low > 0 and high / low < 10:
+            axis.set_major_locator(ticker.MaxNLocator(4))
+        axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: short_number(v, 4)))
+        axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _first_off_scale(y: np.ndarray, top: float | None) -> int | None:
+    """Index of the first value past `top` or not finite: where a diverged run is cut."""
+    bad = ~np.isfinite(y) if top is None else ~np.isfinite(y) | (y > top)
+    if top is None or not bad.any():
+        return None
+    return int(np.argmax(bad))
+
+
+def _coincidence(label: str, drawn: dict[tuple[str, str], pd.Series]) -> str:
+    """' (identical to X)' when, in every panel where both were drawn, this label's series equals an earlier
+    label's exactly; ' (≈ X)' within 0.1%."""
+    labels = list(dict.fromkeys(lab for _, lab in drawn))
+    mine = {key: s for (key, lab), s in drawn.items() if lab == label}
+    for other in labels[: labels.index(label)]:
+        theirs = {key: s for (key, lab), s in drawn.items() if lab == other}
+        common = [k for k in mine if k in theirs and mine[k].index.equals(theirs[k].index)]
+        if not common:
+            continue
+        a = np.concatenate([mine[k].to_numpy(float) for k in common])
+        b = np.concatenate([theirs[k].to_numpy(float) for k in common])
+        if np.array_equal(a, b, equal_nan=True):
+            return f" (identical to {other})"
+        if np.allclose(a, b, rtol=1e-3, atol=0, equal_nan=True):
+            return f" (≈ {other})"
+    return ""
+
+
+def _label(r, runs: pd.DataFrame) -> str:
+    """What tells this run apart from the others of its panel: scale, fix, and c_eff where it is not the
+    scale (fix off, or several world sizes); lr when a setup has several."""
+    parts = []
+    if runs.scale.nunique() > 1 or runs.c_eff.nunique() == 1:
+        parts.append(f"scale={short_number(r.scale)}")
+    if runs.fix.nunique() > 1:
+        parts.append(f"fix={'on' if r.fix else 'off'}")
+    if not np.allclose(runs.c_eff, runs.scale):
+        parts.append(f"c_eff={short_number(r.c_eff)}")
+    if runs.groupby("setup").lr.nunique().max() > 1:
+        parts.append(f"lr={short_number(r.lr)}")
+    return " ".join(parts)
+
+
+def _diverged(r, series: pd.Series) -> bool:
+    return r.status == "diverged" or not np.isfinite(series.to_numpy(float)).all()
+
+
+def _top(values: list[np.ndarray], factor: float) -> float | None:
+    """The largest finite value of the runs that did not diverge, times `factor`: the axis' top."""
+    finite = [v[np.isfinite(v)] for v in values]
+    finite = [v for v in finite if len(v)]
+    return float(max(v.max() for v in finite)) * factor if finite else None
 
 
 def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train/loss"):
-    """Training loss per optimizer, one line per scale/fix (and lr when the sweep has several)."""
-    fig, axes = _per_setup(runs, f"{metric} by optimizer")
-    several_lrs = runs.groupby("setup").lr.nunique().max() > 1
+    """Training loss per setup, one line per scale/fix (and lr when the sweep has several)."""
+    series = {r.run: curve(curves, r.run, metric) for r in runs.itertuples()}
+    kept = [series[r.run].to_numpy(float) for r in runs.itertuples() if not _diverged(r, series[r.run])]
+    lows = [v[np.isfinite(v)].min() for v in kept if np.isfinite(v).any()]
+    top = _top(kept, 1.0)
+    if top is not None:  # a little headroom for the x of a diverged run
+        top += 0.08 * (top - min(lows)) if lows else 0.0
+    plot = CurveFigure(runs.setup, f"{metric} by setup")
     for r in runs.itertuples():
-        series = curve(curves, r.run, metric)
-        label = _label(r) + (f" lr={r.lr:g}" if several_lrs else "")
-        ax = axes[r.setup]
-        ax.plot(series.index, series.to_numpy(), label=label, lw=1.4, ls=LINE_STYLES[len(ax.get_lines()) % 4])
-    for name, ax in axes.items():
-        ax.set(title=name, xlabel="step", ylabel=metric)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+        plot.draw(r.setup, series[r.run], _label(r, runs), top=top)
+    return plot.finish("step", metric)
 
 
 def _paired(runs: pd.DataFrame):
@@ -62,33 +227,30 @@ def _paired(runs: pd.DataFrame):
 
 
 def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
-    """|loss(run) - loss(reference)| vs step, log y; reference = same run at scale 1 with the fix on."""
-    fig, axes = _per_setup(runs, "|loss - loss(reference: scale 1, fix on)|")
-    several_lrs = runs.groupby("setup").lr.nunique().max() > 1
-    for r, ref in _paired(runs):
-        delta = (curve(curves, r.run, "train/loss") - curve(curves, ref, "train/loss")).abs()
-        # exact zeros cannot sit on a log axis: show them at the float32 resolution of the loss
-        label = _label(r) + (f" lr={r.lr:g}" if several_lrs else "")
-        axes[r.setup].plot(delta.index, delta.clip(lower=1e-7).to_numpy(), label=label, lw=1.2)
-    for name, ax in axes.items():
-        ax.set(title=name, xlabel="step", ylabel="|Δ loss|", yscale="log")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    """|loss(run) - loss(reference)| vs step, log y shared by the panels; reference = same run at scale 1
+    with the fix on."""
+    pairs = [(r, (curve(curves, r.run, "train/loss") - curve(curves, ref, "train/loss")).abs())
+             for r, ref in _paired(runs)]
+    top = _top([d.to_numpy() for r, d in pairs if not _diverged(r, d)], 3.0)
+    plot = CurveFigure(runs.setup, "|loss - loss(reference: scale 1, fix on)|", log_y=True)
+    for r, delta in pairs:
+        plot.draw(r.setup, delta, _label(r, runs), top=top)
+    return plot.finish("step", "|Δ loss|")
 
 
 def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
-    """grad_norm(run) / grad_norm(reference) vs step: flat at exactly c_eff until the trajectories part."""
-    fig, axes = _per_setup(runs, "grad norm / grad norm(reference)")
-    for r, ref in _paired(runs):
-        ratio = curve(curves, r.run, "train/grad_norm") / curve(curves, ref, "train/grad_norm")
-        line, = axes[r.setup].plot(ratio.index, ratio.to_numpy(), label=_label(r), lw=1.2)
-        axes[r.setup].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8)
-    for name, ax in axes.items():
-        ax.set(title=name, xlabel="step", ylabel="ratio (dotted: c_eff)", yscale="log")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
+    """grad_norm(run) / grad_norm(reference) vs step, log y shared by the panels: flat at exactly c_eff
+    (dotted, in the line's colour) until the trajectories part."""
+    pairs = [(r, curve(curves, r.run, "train/grad_norm") / curve(curves, ref, "train/grad_norm"))
+             for r, ref in _paired(runs)]
+    top = _top([q.to_numpy() for r, q in pairs if not _diverged(r, q)] + [np.array([r.c_eff]) for r, _ in pairs], 3.0)
+    plot = CurveFigure(runs.setup, "grad norm / grad norm(reference)", log_y=True)
+    for r, ratio in pairs:
+        line = plot.draw(r.setup, ratio, _label(r, runs), top=top)
+        if line is not None:
+            plot.axes[r.setup].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8, gid="predicted")
+    predicted = Line2D([], [], color="0.3", ls=":", lw=0.8, label="dotted: c_eff (predicted ratio)")
+    return plot.finish("step", "ratio", extra_handles=[predicted])
 
 
 def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
@@ -106,45 +268,99 @@ def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
     return pd.Series(out)
 
 
+def one_percent_thresholds(runs: pd.DataFrame) -> dict[tuple[str, float], float]:
+    """Per (setup, lr) with a reference: 1% of the reference's final loss, the threshold report.md's
+    breakdown table judges by."""
+    references = pair_references(runs)
+    final = runs.set_index("run").final_loss
+    out = {}
+    for i, r in zip(runs.index, runs.itertuples()):
+        loss = final.get(references[i]) if references[i] is not None else None
+        if loss is not None and not pd.isna(loss):
+            out.setdefault((r.setup, r.lr), 0.01 * abs(float(loss)))
+    return out
+
+
 def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None,
               onsets: dict[str, float] | None = None):
-    """Max |Δ loss| vs c_eff (log x), a line per setup (and lr); shaded in the line's colour: where the
-    theory predicts that setup stops being invariant (bands: setup -> (c_start, c_end), e.g. eps/s from
-    measured sqrt(v_hat) quantiles, or the clipping band); dashed: where the risk advisor predicts a 1%
-    update cut (onsets: setup -> c); diverged runs as x at the top. One panel per optimizer when an
-    optimizer has several setups, else one panel for all."""
+    """Max |Δ loss| vs c_eff (log x), a line per setup (and lr); grey dash-dot: 1% of the reference's final
+    loss, the threshold the report judges by; shaded in the line's colour: where the theory predicts that
+    setup stops being invariant (bands: setup -> (c_start, c_end), from measured sqrt(v_hat) quantiles, or
+    the clipping band for a clipped setup); dashed: where the risk advisor predicts a 1% update cut
+    (onsets: setup -> c); diverged runs as x at the top. One panel per optimizer when an optimizer has
+    several setups, else one panel for all; the x-range spans the runs and the bands."""
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
     one_panel = table.groupby("optimizer").setup.nunique().max() <= 1 if len(table) else True
     title = "Where scale invariance breaks down"
-    fig, axes = (_panels(["all"], title, 4.2) if one_panel else _panels(table.optimizer, title, 4.2, sharey=True))
+    if one_panel:
+        fig, ax = _single(title, size=(6.4, 3.6))
+        axes = {"all": ax}
+    else:
+        fig, axes = _panels(table.optimizer, title, sharey=True, size=(3.9, 3.2))
     several_lrs = table.groupby("setup").lr.nunique().max() > 1 if len(table) else False
-    colors = {}
+    finite_deltas = table.delta[np.isfinite(table.delta)]
+    top = max(finite_deltas.max() * 3, 1.0) if len(finite_deltas) else 1.0
+    styles, handles, colors = Styles(), [], {}
+    xs = list(table.c_eff)
+    zeros = diverged_any = False
     for (setup, lr), group in table.groupby(["setup", "lr"], sort=False):
         group = group.sort_values("c_eff")
         ax = axes["all" if one_panel else group.optimizer.iloc[0]]
-        label = setup + (f" lr={lr:g}" if several_lrs else "")
+        label = setup + (f" lr={short_number(lr)}" if several_lrs else "")
+        style = styles(label)
         finite = group[np.isfinite(group.delta)]
-        line, = ax.plot(finite.c_eff, finite.delta.clip(lower=1e-7), "o-", label=label)
+        zeros |= bool((finite.delta == 0).any())
+        ax.plot(finite.c_eff, finite.delta.where(finite.delta > 0, FLOOR), color=style["color"], ls=style["ls"],
+                marker=style["marker"], ms=6, lw=1.3)
+        handles.append(_handle(label, style))
         diverged = group[~np.isfinite(group.delta)]
-        if len(diverged):  # at the top of the data, as x
-            top = max(table.delta[np.isfinite(table.delta)].max() * 3, 1.0)
-            ax.plot(diverged.c_eff, [top] * len(diverged), "x", color=line.get_color(), ms=9,
-                    label=f"{label}: diverged")
-        colors.setdefault(setup, (ax, line.get_color()))
+        if len(diverged):
+            ax.plot(diverged.c_eff, [top] * len(diverged), "x", color=style["color"], ms=9, mew=2)
+            diverged_any = True
+        colors.setdefault(setup, (ax, style["color"]))
+    thresholds = one_percent_thresholds(runs)
+    for name, ax in axes.items():
+        values = [t for (setup, _), t in thresholds.items() if one_panel or setup.split()[0] == name]
+        if values:
+            ax.axhline(float(np.median(values)), color="0.35", ls="-.", lw=1.0, gid="threshold")
+    if thresholds:
+        spread = max(thresholds.values()) / min(thresholds.values())
+        what = f"{short_number(float(np.median(list(thresholds.values()))))}" + (
+            f", median of {short_number(min(thresholds.values()))}..{short_number(max(thresholds.values()))}"
+            if spread > 1.05 else "")
+        handles.append(Line2D([], [], color="0.35", ls="-.", lw=1.0, label=f"1% of the reference's loss ({what})"))
+    clipped = set(runs.setup[runs["clip"].notna()])
     for setup, (low, high) in (bands or {}).items():
         if setup in colors:
             ax, color = colors[setup]
-            ax.axvspan(min(low, high), max(low, high), alpha=0.12, color=color, label=f"{setup}: predicted band")
+            ax.axvspan(min(low, high), max(low, high), alpha=0.13, color=color)
+            xs += [low, high]
+            source = "max_norm / grad norm of the reference" if setup in clipped else \
+                "eps / sqrt(v_hat), q90..q10 of the reference"
+            handles.append(Line2D([], [], color=color, alpha=0.35, lw=8,
+                                  label=f"{setup}: predicted breakdown band\n({source})"))
     for setup, c in (onsets or {}).items():
         if setup in colors:
             ax, color = colors[setup]
-            ax.axvline(c, color=color, ls="--", lw=1.2, label=f"{setup}: advisor's 1% update cut (c={c:.2g})")
+            ax.axvline(c, color=color, ls="--", lw=1.2)
+            xs.append(c)
+            handles.append(Line2D([], [], color=color, ls="--", lw=1.2,
+                                  label=f"{setup}: advisor's 1% update cut (c={short_number(c, 2)})"))
+    if zeros:
+        handles.append(Line2D([], [], color="k", marker="o", ls="", ms=5,
+                              label=f"at {short_number(FLOOR)}: exact 0 (the reference itself)"))
+    if diverged_any:
+        handles.append(Line2D([], [], color="k", marker="x", ls="", ms=8, mew=2, label="diverged (drawn at the top)"))
+    positive = [x for x in xs if x > 0]
     for name, ax in axes.items():
         ax.set(title="" if one_panel else name, xscale="log", yscale="log",
-               xlabel="c_eff (effective gradient multiplier)", ylabel="max |Δ loss| vs reference (0 drawn at 1e-7)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+               xlabel="c_eff (effective gradient multiplier)")
+        if positive:
+            ax.set_xlim(min(positive) / 2.5, max(positive) * 2.5)
+        plain_ticks(ax)
+    list(axes.values())[0].set_ylabel("max |Δ loss| vs reference")
+    _legend(fig, handles)
     return fig
 
 
@@ -152,113 +368,134 @@ def eps_collapse(runs: pd.DataFrame):
     """Final loss vs c_eff / eps, one line per eps: AdamW(c, eps) == AdamW(1, eps/c) says every run's
     outcome depends on c / eps alone, so the lines fall on one curve (docs/design.md physics 3). Plotted
     against the outcome itself, not a deviation from each eps's own c = 1 run, which moves with eps."""
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+    fig, ax = _single("AdamW trades c for eps: one curve in c / eps")
     table = runs[runs.eps.notna() & (runs.status == "completed")]
-    for i, ((optimizer, eps), group) in enumerate(table.groupby(["optimizer", "eps"])):
+    styles, handles = Styles(), []
+    for (optimizer, eps), group in table.groupby(["optimizer", "eps"]):
         group = group.sort_values("c_eff")
-        ax.plot(group.c_eff / eps, group.final_loss, "o" + LINE_STYLES[i % 4], label=f"{optimizer} eps={eps:g}",
-                ms=7 - i, lw=1.2)
-    ax.set(xscale="log", xlabel="c_eff / eps", ylabel="final loss",
-           title="AdamW trades c for eps: one curve in c / eps")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+        label = f"{optimizer} eps={short_number(eps)}"
+        style = styles(label)
+        ax.plot(group.c_eff / eps, group.final_loss, color=style["color"], ls=style["ls"], marker=style["marker"],
+                ms=7 - 0.7 * (len(handles) % 4), lw=1.2)
+        handles.append(_handle(label, style))
+    ax.set(xscale="log", xlabel="c_eff / eps", ylabel="final loss")
+    plain_ticks(ax)
+    _legend(fig, handles)
     return fig
 
 
 def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
     """Share of steps clipped vs c_eff, per clipped setup: measured (dots) and predicted from the reference
     run's grad norms at c = 1 (line: share of its logged steps with c * ||g|| > max_norm)."""
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+    fig, ax = _single("Clipping: which steps are clipped at each c")
     references = pair_references(runs)
     clipped = runs[runs["clip"].notna() & runs.clipped_steps.notna()]
+    styles, handles = Styles(), []
     for setup, group in clipped.groupby("setup", sort=False):
         group = group.sort_values("c_eff")
-        line, = ax.plot(group.c_eff, group.clipped_steps / group.steps_done, "o", label=f"{setup}: measured")
+        style = styles(setup)
+        ax.plot(group.c_eff, group.clipped_steps / group.steps_done, style["marker"], color=style["color"], ms=6)
+        handles.append(Line2D([], [], color=style["color"], marker=style["marker"], ls="", label=f"{setup}: measured"))
         reference = references[group.index[0]]
         if reference is not None:
             norms = curve(curves, reference, "train/grad_norm").to_numpy()
             grid = np.logspace(np.log10(group.c_eff.min()), np.log10(group.c_eff.max()), 200)
             predicted = [predicted_clipped_share(c, norms, float(group["clip"].iloc[0])) for c in grid]
-            ax.plot(grid, predicted, "-", color=line.get_color(), lw=1, label=f"{setup}: predicted")
-    ax.set(xscale="log", xlabel="c_eff", ylabel="share of steps clipped", ylim=(-0.03, 1.03),
-           title="Clipping: which steps are clipped at each c")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+            ax.plot(grid, predicted, color=style["color"], ls=style["ls"], lw=1)
+            handles.append(Line2D([], [], color=style["color"], ls=style["ls"], label=f"{setup}: predicted"))
+    ax.set(xscale="log", xlabel="c_eff", ylabel="share of steps clipped", ylim=(-0.03, 1.03))
+    plain_ticks(ax)
+    _legend(fig, handles)
     return fig
 
 
 def lr_separation(runs: pd.DataFrame, curves: pd.DataFrame):
     """Max |Δ loss| against the reference vs lr, a line per setup and c_eff: how a higher learning rate
     amplifies the same gradient multiplier (docs/design.md physics 6); diverged runs as x at the top."""
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+    fig, ax = _single("A higher lr amplifies the same multiplier")
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
     table = table[table.delta > 0]  # the references themselves
     finite = table.delta[np.isfinite(table.delta)]
     top = max(finite.max() * 3, 1.0) if len(finite) else 1.0
-    for i, ((setup, c_eff), group) in enumerate(table.groupby(["setup", "c_eff"], sort=False)):
+    styles, handles = Styles(), []
+    for (setup, c_eff), group in table.groupby(["setup", "c_eff"], sort=False):
         group = group.sort_values("lr")
+        label = f"{setup} c_eff={short_number(c_eff)}"
+        style = styles(label)
         ok = group[np.isfinite(group.delta)]
-        line, = ax.plot(ok.lr, ok.delta, "o" + LINE_STYLES[i % 4], label=f"{setup} c_eff={c_eff:g}")
+        ax.plot(ok.lr, ok.delta, color=style["color"], ls=style["ls"], marker=style["marker"], ms=6, lw=1.3)
         bad = group[~np.isfinite(group.delta)]
-        ax.plot(bad.lr, [top] * len(bad), "x", color=line.get_color(), ms=9)
-    ax.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="max |Δ loss| vs reference (c = 1)",
-           title="A higher lr amplifies the same multiplier (x: diverged)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.plot(bad.lr, [top] * len(bad), "x", color=style["color"], ms=9, mew=2)
+        handles.append(_handle(label, style))
+    if not np.isfinite(table.delta).all():
+        handles.append(Line2D([], [], color="k", marker="x", ls="", ms=8, mew=2, label="diverged (drawn at the top)"))
+    ax.set(xscale="log", yscale="log", xlabel="learning rate", ylabel="max |Δ loss| vs reference (c = 1)")
+    plain_ticks(ax)
+    _legend(fig, handles)
     return fig
 
 
 def final_loss_heatmap(runs: pd.DataFrame):
-    """Final loss over (lr, c_eff) per optimizer: SGD's contours run diagonal, AdamW's vertical."""
-    fig, axes = _per_setup(runs, "final loss over (lr, c_eff)", height=4.0)
+    """Final loss over (lr, c_eff) per setup, each cell labelled: SGD's contours run diagonal, AdamW's
+    vertical. One colour scale for all panels; diverged cells blank and marked."""
+    fig, axes = _panels(runs.setup, "final loss over (lr, c_eff)", size=(3.9, 3.1))
+    finite = runs.final_loss.astype(float)
+    finite = finite[np.isfinite(finite)]
+    limits = (finite.min(), finite.max()) if len(finite) else (0.0, 1.0)
     for setup, ax in axes.items():
-        grid = runs[runs.setup == setup].pivot_table(index="lr", columns="c_eff", values="final_loss",
-                                                            aggfunc="mean")
-        image = ax.imshow(grid.to_numpy(dtype=float), origin="lower", aspect="auto", cmap="viridis")
-        ax.set_xticks(range(grid.shape[1]), [f"{c:g}" for c in grid.columns], rotation=45)
-        ax.set_yticks(range(grid.shape[0]), [f"{lr:g}" for lr in grid.index])
+        mine = runs[runs.setup == setup]
+        grid = mine.pivot_table(index="lr", columns="c_eff", values="final_loss", aggfunc="mean", dropna=False)
+        status = mine.pivot_table(index="lr", columns="c_eff", values="status", aggfunc="first", dropna=False)
+        values = grid.to_numpy(dtype=float)
+        image = ax.imshow(values, origin="lower", aspect="auto", cmap="viridis", vmin=limits[0], vmax=limits[1])
+        for (i, j), value in np.ndenumerate(values):
+            text = short_number(value) if np.isfinite(value) else (
+                "diverged" if status.iloc[i, j] == "diverged" else "-")
+            ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                    color="w" if np.isfinite(value) and value < np.mean(limits) else "k")
+        ax.set_xticks(range(grid.shape[1]), [short_number(c) for c in grid.columns], rotation=45)
+        ax.set_yticks(range(grid.shape[0]), [short_number(lr) for lr in grid.index])
         ax.set(title=setup, xlabel="c_eff", ylabel="lr")
-        fig.colorbar(image, ax=ax, label="final loss (blank: diverged)")
-    fig.tight_layout()
+    fig.colorbar(image, ax=list(axes.values()), label="final loss")
     return fig
 
 
 def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
     """eps-dominated share of coordinates and update RMS vs step, for Adam-type runs."""
-    fig = Figure(figsize=(10.4, 3.8))
-    frac_ax, rms_ax = fig.subplots(1, 2)
-    for r in runs.itertuples():
-        frac = curve(curves, r.run, "adam/eps_dominated_frac")
-        if frac.empty:
-            continue
-        label = f"{r.setup} " + _label(r)
-        frac_ax.plot(frac.index, frac.to_numpy(), label=label, lw=1.2)
-        rms = curve(curves, r.run, "train/update_rms")
-        rms_ax.plot(rms.index, rms.to_numpy(), label=label, lw=1.2)
-    frac_ax.set(xlabel="step", ylabel="share of coordinates with sqrt(v_hat) < eps", title="eps-dominated share")
-    rms_ax.set(xlabel="step", ylabel="update RMS", yscale="log", title="update RMS")
-    rms_ax.legend(fontsize=7)
-    fig.tight_layout()
+    adam = runs[[not curve(curves, r.run, "adam/eps_dominated_frac").empty for r in runs.itertuples()]]
+    several_setups = adam.setup.nunique() > 1
+    plot = CurveFigure(["eps-dominated share", "update RMS"], "Adam's state per run", sharey=False)
+    for r in adam.itertuples():
+        label = (f"{r.setup} " if several_setups else "") + _label(r, adam)
+        plot.draw("eps-dominated share", curve(curves, r.run, "adam/eps_dominated_frac"), label)
+        plot.draw("update RMS", curve(curves, r.run, "train/update_rms"), label)
+    fig = plot.finish("step", "")
+    share_ax, rms_ax = plot.axes.values()
+    share_ax.set_ylabel("share with sqrt(v_hat) < eps")
+    rms_ax.set(ylabel="update RMS", yscale="log")
+    plain_ticks(rms_ax)
     return fig
 
 
 def lr_axis(runs: pd.DataFrame):
-    """Final loss vs lr per optimizer and c_eff; diverged runs marked with x at the top."""
-    fig = Figure(figsize=(6.4, 4.2))
-    ax = fig.subplots()
+    """Final loss vs lr per setup and c_eff; diverged runs marked with x at the top."""
+    fig, ax = _single("final loss vs lr")
     finite = runs.final_loss.astype(float)
     top = np.nanmax(finite.where(np.isfinite(finite))) if np.isfinite(finite).any() else 1.0
+    styles, handles = Styles(), []
     for (setup, c_eff), group in runs.groupby(["setup", "c_eff"], sort=False):
         group = group.sort_values("lr")
+        label = f"{setup} c_eff={short_number(c_eff)}"
+        style = styles(label)
         ok = group[group.status == "completed"]
-        line, = ax.plot(ok.lr, ok.final_loss, "o-", label=f"{setup} c_eff={c_eff:g}")
+        ax.plot(ok.lr, ok.final_loss, color=style["color"], ls=style["ls"], marker=style["marker"], ms=6, lw=1.3)
         bad = group[group.status == "diverged"]
-        ax.plot(bad.lr, [top * 1.05] * len(bad), "x", color=line.get_color(), ms=9)
-    ax.set(xscale="log", xlabel="learning rate", ylabel="final loss", title="final loss vs lr (x: diverged)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.plot(bad.lr, [top * 1.05] * len(bad), "x", color=style["color"], ms=9, mew=2)
+        handles.append(_handle(label, style))
+    if (runs.status == "diverged").any():
+        handles.append(Line2D([], [], color="k", marker="x", ls="", ms=8, mew=2, label="diverged (drawn at the top)"))
+    ax.set(xscale="log", xlabel="learning rate", ylabel="final loss")
+    plain_ticks(ax)
+    _legend(fig, handles)
     return fig

@@ -19,7 +19,7 @@ import pandas as pd
 
 from analysis import plots
 from analysis.advise import advisor_summary, advisor_vs_measured, predicted_onsets
-from analysis.load import curve, equivalent_references, load, pair_references, read_jsonl
+from analysis.load import curve, equivalent_references, load, pair_references, read_jsonl, short_number
 from analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group
 
 log = logging.getLogger(__name__)
@@ -125,10 +125,23 @@ def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
         c, d = group.c_eff.to_numpy(), group.run.map(deltas).to_numpy()
         band = bands.get(setup)
         rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,
-                     "c_1% below 1": crossing(c, d, threshold, "below"),
-                     "c_1% above 1": crossing(c, d, threshold, "above"),
+                     "c_1% below 1": crossing_cell(c, d, threshold, "below"),
+                     "c_1% above 1": crossing_cell(c, d, threshold, "above"),
                      "predicted band": "-" if band is None else f"{min(band):.2g} .. {max(band):.2g}"})
     return pd.DataFrame(rows)
+
+
+def crossing_cell(c_values, deviations, threshold: float, side: str) -> str:
+    """theory.crossing for a table: a grid point as it is, an interpolated value marked as such with the two
+    grid points it lies between, '-' when the deviation never passes the threshold on the grid."""
+    value = crossing(c_values, deviations, threshold, side)
+    if np.isnan(value):
+        return "-"
+    grid = np.unique(np.asarray(c_values, dtype=float))
+    if np.isclose(grid, value, rtol=1e-9, atol=0).any():
+        return f"{short_number(value)} (grid point)"
+    low, high = grid[grid < value].max(), grid[grid > value].min()
+    return f"≈{short_number(value)} (interpolated, {short_number(low)}..{short_number(high)})"
 
 
 def equivalence_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
@@ -173,7 +186,7 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
 def _markdown(table: pd.DataFrame) -> str:
     def cell(value) -> str:
         if isinstance(value, float):
-            return "-" if math.isnan(value) else f"{value:.4g}"
+            return "-" if math.isnan(value) else short_number(value, 4)
         return "-" if value is None else str(value)
 
     header = "| " + " | ".join(table.columns) + " |"

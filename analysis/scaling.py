@@ -25,6 +25,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from analysis.advise import BIN_LOW, WITHIN, AdviseError, Histogram, load_histograms, update_rms_ratio
+from analysis.plots import plain_ticks
 from experiments.optim import HIST_BINS_PER_DECADE
 from experiments.sweep import job_dirs, render_table
 
@@ -168,7 +169,8 @@ def plot_scaling(table: pd.DataFrame, points: pd.DataFrame | None = None):
     each series' runs with its fitted line extended to 3B; `points` runs in black."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    # stacked, each legend beside its panel: legible at the README's width
+    fig, axes = plt.subplots(3, 1, figsize=(9.5, 11.5), layout="constrained")
     grid = np.logspace(math.log10(table.parameters.min()) - 0.2, math.log10(max(LLAMA_SIZES.values())) + 0.1, 50)
     colors = dict(zip(sorted(table.series.unique()), ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")))
     for ax, (first, second, title) in zip(axes, PANELS):
@@ -204,12 +206,12 @@ def plot_scaling(table: pd.DataFrame, points: pd.DataFrame | None = None):
         if shown.size:
             ax.set_ylim(shown.min() / 5, shown.max() * 5)
         ax.set_title(title, pad=14)
-        ax.legend(fontsize=7)
+        plain_ticks(ax)
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     axes[0].set_ylabel("sqrt(v_hat)")
     axes[2].set_ylabel("world size N (at the runs' eps)")
-    fig.suptitle("Adam's second moment against model size: fits per series, extended to Llama 3.2 1B / 3B "
+    fig.suptitle("Adam's second moment against model size: fits per series, extended to Llama 3.2 1B / 3B\n"
                  "(shaded: the median fit's 95% prediction interval)")
-    fig.tight_layout()
     return fig
 
 

@@ -125,7 +125,7 @@ def test_advise_command_prints_the_table_and_writes_the_json_contract(advisor_sw
     assert (tmp_path / "advice.png").stat().st_size > 0
     scales = advise_cli([str(reference), "--scales", "1e-4,1e-5", "--eps", "1e-12", "--figure",
                          str(tmp_path / "b.png")])
-    assert scales.returncode == 0 and "c=0.0001" in scales.stdout and "eps = 1e-12" in scales.stdout
+    assert scales.returncode == 0 and "c=1e-4" in scales.stdout and "eps = 1e-12" in scales.stdout
 
 
 @pytest.mark.parametrize(("case", "args", "says"), [

@@ -12,7 +12,15 @@ import pandas as pd
 import pytest
 
 from analysis import plots, theory
-from analysis.load import equivalent_references, load, pair_references, read_jsonl, setup_labels
+from analysis.load import (
+    equivalent_references,
+    load,
+    pair_references,
+    read_jsonl,
+    run_names,
+    setup_labels,
+    short_number,
+)
 from tests.conftest import TINY
 
 
@@ -88,8 +96,11 @@ def test_curve_plots(maker, n_axes):
     if maker is plots.loss_curves:
         assert [len(ax.get_lines()) for ax in axes] == [2, 2]  # one line per scale
     if maker is plots.divergence:
-        assert [len(ax.get_lines()) for ax in axes] == [1, 1]  # the reference itself is not drawn
+        data = [[line for line in ax.get_lines() if line.get_gid() != "floor"] for ax in axes]
+        assert [len(lines) for lines in data] == [1, 1]  # the reference itself is not drawn
         assert axes[0].get_yscale() == "log"
+        assert data[0][0].get_ydata()[0] == plots.FLOOR  # the exact zero at step 0, on the named floor
+        assert axes[0].get_shared_y_axes().joined(axes[0], axes[1])  # sizes compare across panels
     if maker is plots.grad_norm_ratio:
         ratio = axes[0].get_lines()[0].get_ydata()
         assert np.allclose(ratio, 8.0)  # flat at exactly c_eff
@@ -101,13 +112,60 @@ def test_breakdown_heatmap_and_lr_axis():
     fig = plots.breakdown(runs, curves, bands={"adamw": (1e-2, 1e-5)})
     ax = fig.axes[0]
     # a line per setup and lr, the diverged run as x; the band shaded in its setup's colour
-    markers = [line.get_marker() for line in ax.get_lines()]
-    assert ax.get_xscale() == "log" and markers.count("o") == 4 and markers.count("x") == 1 and len(ax.patches) == 1
+    markers = [line.get_marker() for line in ax.get_lines() if line.get_gid() is None]
+    assert ax.get_xscale() == "log" and len(ax.patches) == 1
+    assert len(markers) == 5 and len(set(markers) - {"x"}) == 4 and markers.count("x") == 1  # 4 looks, 1 diverged
+    # the 1% threshold it is judged by: 1% of the references' final losses (5.0 here)
+    threshold, = [line for line in ax.get_lines() if line.get_gid() == "threshold"]
+    assert threshold.get_ydata()[0] == pytest.approx(0.05)
+    assert ax.get_xlim()[0] < 1e-5 and ax.get_xlim()[1] > 64  # the band and the runs both in range
     heat = plots.final_loss_heatmap(runs)
-    assert len(heat.axes) == 4 and heat.axes[0].images[0].get_array().shape == (2, 3)  # 2 plots + 2 colorbars
+    assert len(heat.axes) == 3 and heat.axes[0].images[0].get_array().shape == (2, 3)  # 2 plots, 1 colour scale
+    assert "diverged" in [t.get_text() for t in heat.axes[0].texts + heat.axes[1].texts]
     axis = plots.lr_axis(runs)
     diverged_marks = [line for line in axis.axes[0].get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
     assert len(diverged_marks) == 1
+
+
+def test_numbers_read_in_one_short_format():
+    values = (1e-8, 1e-4, 1e4, 0.125, 8.0, 0.00375, 1.25e-4, 0.03, 1000.0, 0.0)
+    assert [short_number(v) for v in values] == ["1e-8", "1e-4", "1e4", "0.125", "8", "3.75e-3", "1.25e-4", "0.03",
+                                                 "1e3", "0"]
+
+
+def test_a_diverged_run_is_cut_and_coinciding_lines_are_named():
+    runs, curves = synthetic(optimizers=("sgd", "adamw"), c_values=(1.0, 8.0, 64.0))
+    loss = curves.metric == "train/loss"
+    exploding = loss & (curves.run == "sgd-0.001-64")
+    curves.loc[exploding, "value"] = [6.0, 50.0, 1.7e6, float("nan"), float("nan")]
+    runs.loc[runs.run == "sgd-0.001-64", "status"] = "diverged"
+    for optimizer in ("sgd", "adamw"):  # scale 8 trains exactly like scale 1 (as AdamW's would)
+        same = curves.loc[loss & (curves.run == f"{optimizer}-0.001-1"), "value"].to_numpy()
+        curves.loc[loss & (curves.run == f"{optimizer}-0.001-8"), "value"] = same
+    fig = plots.loss_curves(runs, curves)
+    sgd, adamw = fig.axes[:2]
+    assert sgd.get_ylim() == adamw.get_ylim() and sgd.get_ylim()[1] < 7  # 1.7e6 flattens nothing
+    cut = [line for line in sgd.get_lines() if line.get_marker() == "x"]
+    assert len(cut) == 1 and cut[0].get_xdata()[0] == 1  # marked where it leaves the others' range
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "scale=8 (identical to scale=1)" in labels and "scale=64" in labels
+    assert any(label.startswith("diverged") for label in labels)
+    fig = plots.divergence(runs, curves)
+    assert fig.axes[0].yaxis.get_major_formatter()(1e-4, 0) == "1e-4"  # not 10^-4
+
+
+def test_run_names_drop_the_overrides_the_whole_sweep_shares(tmp_path):
+    from omegaconf import OmegaConf
+
+    dirs = []
+    for i, overrides in enumerate([["experiment=scale_sweep", "optimizer=sgd", "scale=1", "smoke=on"],
+                                   ["experiment=scale_sweep", "optimizer=adamw", "scale=1e-4", "smoke=on"]]):
+        d = tmp_path / "sweep" / f"{i}_{','.join(overrides)}"
+        (d / ".hydra").mkdir(parents=True)
+        OmegaConf.save(OmegaConf.create(overrides), d / ".hydra" / "overrides.yaml")
+        dirs.append(d)
+    assert run_names(dirs) == ["0_optimizer=sgd,scale=1", "1_optimizer=adamw,scale=1e-4"]
+    assert run_names(dirs[:1]) == [dirs[0].name]  # alone, nothing is shared with others
 
 
 def test_setups_label_what_varies_per_optimizer():
@@ -116,7 +174,7 @@ def test_setups_label_what_varies_per_optimizer():
                      ignore_index=True)
     runs.loc[runs.optimizer == "sgd", "clip"] = [None, 1.0]
     labels = dict(zip(runs.run, setup_labels(runs)))
-    assert labels["adamw-0.001-1"] == "adamw eps=1e-08" and labels["adamw-0.001-1-eps15"] == "adamw eps=1e-15"
+    assert labels["adamw-0.001-1"] == "adamw eps=1e-8" and labels["adamw-0.001-1-eps15"] == "adamw eps=1e-15"
     assert labels["sgd-0.001-1"] == "sgd clip=off" and labels["sgd-0.001-8"] == "sgd clip=1"
 
 
@@ -137,6 +195,11 @@ def test_crossing_and_clipping_theory():
     assert theory.crossing(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05) == pytest.approx(5.0e-4, rel=0.02)
     assert math.isnan(theory.crossing(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05, side="above"))
     assert theory.crossing(c, [0.0, 0.0, 0.0, float("inf")], 0.05, side="above") == 100.0  # diverged: no slope
+    from analysis.report import crossing_cell  # report.md says which values are interpolated, and from what
+
+    assert crossing_cell(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05, "below") == "≈5.01e-4 (interpolated, 1e-4..0.01)"
+    assert crossing_cell(c, [0.0, 0.0, 0.0, float("inf")], 0.05, "above") == "100 (grid point)"
+    assert crossing_cell(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05, "above") == "-"
     norms = [0.5, 1.0, 2.0, 4.0]
     assert theory.clipping_band(norms, 1.0) == (0.25, 2.0)
     assert theory.clipped_share(0.3, norms, 1.0) == 0.25 and theory.clipped_share(3.0, norms, 1.0) == 1.0
