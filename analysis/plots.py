@@ -80,6 +80,10 @@ class CurveFigure:
     def finish(self, xlabel: str, ylabel: str, extra_handles=()) -> Figure:
         for name, ax in self.axes.items():
             ax.set(title=name, xlabel=xlabel)
+            note = _panel_note([s for (key, _), s in self.drawn.items() if key == name])
+            if note:
+                ax.text(0.98, 0.95, note, transform=ax.transAxes, ha="right", va="top", fontsize=8.5,
+                        bbox={"facecolor": "white", "edgecolor": "0.7", "alpha": 0.85})
             if self.log_y:
                 ax.set_yscale("log")
             if self.zeros:
@@ -161,23 +165,37 @@ def _first_off_scale(y: np.ndarray, top: float | None) -> int | None:
     return int(np.argmax(bad))
 
 
+def _same(a: pd.Series, b: pd.Series) -> str | None:
+    """'identical' when two series are equal, '≈' when within 0.1% everywhere, else None."""
+    if not a.index.equals(b.index):
+        return None
+    a, b = a.to_numpy(float), b.to_numpy(float)
+    if np.array_equal(a, b, equal_nan=True):
+        return "identical"
+    return "≈" if np.allclose(a, b, rtol=1e-3, atol=0, equal_nan=True) else None
+
+
 def _coincidence(label: str, drawn: dict[tuple[str, str], pd.Series]) -> str:
     """' (identical to X)' when, in every panel where both were drawn, this label's series equals an earlier
-    label's exactly; ' (≈ X)' within 0.1%."""
+    label's exactly; ' (≈ X)' when within 0.1% in all of them."""
     labels = list(dict.fromkeys(lab for _, lab in drawn))
     mine = {key: s for (key, lab), s in drawn.items() if lab == label}
     for other in labels[: labels.index(label)]:
-        theirs = {key: s for (key, lab), s in drawn.items() if lab == other}
-        common = [k for k in mine if k in theirs and mine[k].index.equals(theirs[k].index)]
-        if not common:
-            continue
-        a = np.concatenate([mine[k].to_numpy(float) for k in common])
-        b = np.concatenate([theirs[k].to_numpy(float) for k in common])
-        if np.array_equal(a, b, equal_nan=True):
-            return f" (identical to {other})"
-        if np.allclose(a, b, rtol=1e-3, atol=0, equal_nan=True):
-            return f" (≈ {other})"
+        common = [key for key in mine if (key, other) in drawn]
+        verdicts = {_same(mine[key], drawn[key, other]) for key in common}
+        if common and None not in verdicts:
+            return f" (≈ {other})" if "≈" in verdicts else f" (identical to {other})"
     return ""
+
+
+def _panel_note(series: list[pd.Series]) -> str | None:
+    """'all N lines identical' (or ≈) when every line of a panel coincides with its first."""
+    if len(series) < 2:
+        return None
+    verdicts = {_same(series[0], other) for other in series[1:]}
+    if None in verdicts:
+        return None
+    return f"all {len(series)} lines {'≈ equal' if '≈' in verdicts else 'identical'}"
 
 
 def _label(r, runs: pd.DataFrame) -> str:

@@ -127,7 +127,8 @@ def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
         rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,
                      "c_1% below 1": crossing_cell(c, d, threshold, "below"),
                      "c_1% above 1": crossing_cell(c, d, threshold, "above"),
-                     "predicted band": "-" if band is None else f"{min(band):.2g} .. {max(band):.2g}"})
+                     "predicted band": "-" if band is None else
+                     f"{short_number(min(band), 2)} .. {short_number(max(band), 2)}"})
     return pd.DataFrame(rows)
 
 
@@ -252,6 +253,11 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
 
 def log_to_wandb(paths: list[Path], out: Path, figures: list[Path], mode: str, project: str) -> None:
     """One W&B run of job_type `analysis` in the sweep's group: the figures and the runs table."""
+    from experiments.metrics import wandb_disabled_by_env
+
+    if wandb_disabled_by_env():  # the environment switches W&B off, as it does for training runs
+        print("W&B logging skipped: WANDB_MODE=disabled in the environment", file=sys.stderr)
+        return
     try:
         import wandb
 

@@ -25,6 +25,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from analysis.advise import BIN_LOW, WITHIN, AdviseError, Histogram, load_histograms, update_rms_ratio
+from analysis.load import short_number
 from analysis.plots import plain_ticks
 from experiments.optim import HIST_BINS_PER_DECADE
 from experiments.sweep import job_dirs, render_table
@@ -220,15 +221,16 @@ def format_tables(table: pd.DataFrame, fitted: pd.DataFrame) -> str:
         ["series", "hidden", "layers", "parameters", "step", "s median emb/out", "s q10 emb/out", "s median all",
          "s q10 all", "N_1%"],
         [[r.series, r.hidden_size, r.layers, f"{r.parameters:,}", r.step,
-          f"{r['s_median embeddings / output']:.3g}",
-          f"{r['s_q10 embeddings / output']:.3g}", f"{r['s_median all']:.3g}", f"{r['s_q10 all']:.3g}",
-          f"{r.n_1pct:.3g}"] for _, r in table.iterrows()])
+          short_number(r['s_median embeddings / output']),
+          short_number(r['s_q10 embeddings / output']), short_number(r['s_median all']), short_number(r['s_q10 all']),
+          short_number(r.n_1pct)] for _, r in table.iterrows()])
     if fitted.empty:
         return runs + "\n\n(fewer than 3 runs per series: no fit)"
     lines = render_table(
         ["series", "quantity", "points", "exponent", "R^2", *[f"{name} (95% interval)" for name in LLAMA_SIZES]],
         [[f.series, f.quantity, f.points, f"{f.exponent:.3f} ± {f.exponent_stderr:.3f}", f"{f.r2:.2f}",
-          *[f"{f[name]:.3g} ({f[name + ' low']:.2g} .. {f[name + ' high']:.2g})" for name in LLAMA_SIZES]]
+          *[f"{short_number(f[name])} ({short_number(f[name + ' low'], 2)} .. {short_number(f[name + ' high'], 2)})"
+            for name in LLAMA_SIZES]]
          for _, f in fitted.iterrows()])
     return runs + "\n\n" + lines
 
