@@ -19,7 +19,7 @@ ifndef SWEEP_DIR
 SWEEP_DIR := multirun/$(shell date +%Y-%m-%d/%H-%M-%S)
 endif
 
-# Two jobs side by side, cores/2 threads each: measured faster than one after another (README "Performance").
+# Two jobs side by side, cores/2 threads each: measured faster than one after another (docs/performance.md).
 sweep: install
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run -m optimizer=sgd,adamw scale=1,8 \
 		hydra/launcher=local_parallel hydra.sweep.dir=$(SWEEP_DIR) $(SWEEP_ARGS)

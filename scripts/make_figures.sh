@@ -16,7 +16,7 @@ for name in $studies; do
   STUDY_DIR="multirun/figures/$name" PYTHON="$PY" scripts/study.sh "$name" wandb.mode=disabled
   "$PY" -m analysis.report "multirun/figures/$name" --out "docs/figures/$name"
 done
-if [[ " $studies " == *" smollm2_breakdown "* ]]; then  # the README's advisor output on SmolLM2, and its figure
+if [[ " $studies " == *" smollm2_breakdown "* ]]; then  # docs/analysis.md's advisor output on SmolLM2, and its figure
   rm -rf multirun/figures/advise_smollm2
   "$PY" -m experiments.advise model=smollm2_135m optimizer.lr=1e-5 batch_size=8 seq_len=64 \
     hydra.run.dir=multirun/figures/advise_smollm2 --world-sizes 8,64,512,4096 --json multirun/figures/advise_smollm2/advice.json

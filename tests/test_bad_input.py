@@ -1,4 +1,4 @@
-"""The README's bad-input table, the rows not covered elsewhere (config values: test_cli.py; model.path:
+"""The bad-input table of docs/outputs.md, the rows not covered elsewhere (config values: test_cli.py; model.path:
 test_model.py; another sweep's folder: test_resume.py): data files and output folders. Each gets one
 line on stderr naming the value, a non-zero exit, and nothing written."""
 
