@@ -230,9 +230,12 @@ def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train/l
     kept = [series[r.run].to_numpy(float) for r in runs.itertuples() if not _diverged(r, series[r.run])]
     lows = [v[np.isfinite(v)].min() for v in kept if np.isfinite(v).any()]
     top = _top(kept, 1.0)
+    # runs that blow up without diverging span decades: a log axis then shows them and keeps the rest apart
+    log_y = top is not None and bool(lows) and min(lows) > 0 and top / min(lows) > 4
     if top is not None:  # a little headroom for the x of a diverged run
-        top += 0.08 * (top - min(lows)) if lows else 0.0
-    plot = CurveFigure(runs.setup, f"{metric} by setup")
+        top = top * 1.5 if log_y else top + (0.08 * (top - min(lows)) if lows else 0.0)
+    plot = CurveFigure(runs.setup, f"{metric} by setup" + (" (log y: some runs blow up)" if log_y else ""),
+                       log_y=log_y)
     for r in runs.itertuples():
         plot.draw(r.setup, series[r.run], _label(r, runs), top=top)
     return plot.finish("step", metric)
@@ -309,7 +312,8 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
     several setups, else one panel for all; the x-range spans the runs and the bands."""
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
-    one_panel = table.groupby("optimizer").setup.nunique().max() <= 1 if len(table) else True
+    one_panel = (table.optimizer.nunique() <= 1 or table.groupby("optimizer").setup.nunique().max() <= 1
+                 if len(table) else True)
     title = "Where scale invariance breaks down"
     if one_panel:
         fig, ax = _single(title, size=(6.4, 3.6))
@@ -349,15 +353,17 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
             if spread > 1.05 else "")
         handles.append(Line2D([], [], color="0.35", ls="-.", lw=1.0, label=f"1% of the reference's loss ({what})"))
     clipped = set(runs.setup[runs["clip"].notna()])
+    sources = {}
     for setup, (low, high) in (bands or {}).items():
         if setup in colors:
             ax, color = colors[setup]
             ax.axvspan(min(low, high), max(low, high), alpha=0.13, color=color)
             xs += [low, high]
-            source = "max_norm / grad norm of the reference" if setup in clipped else \
-                "eps / sqrt(v_hat), q90..q10 of the reference"
-            handles.append(Line2D([], [], color=color, alpha=0.35, lw=8,
-                                  label=f"{setup}: predicted breakdown band\n({source})"))
+            handles.append(Line2D([], [], color=color, alpha=0.35, lw=8, label=f"{setup}: predicted band"))
+            sources["clip" if setup in clipped else "eps"] = None
+    notes = {"eps": "bands: eps / sqrt(v_hat), sqrt(v_hat) from q90 to q10 of the reference",
+             "clip": "clipping bands: max_norm / grad norm of the reference, max to min"}
+    handles += [Line2D([], [], ls="", label=notes[kind]) for kind in sources]
     for setup, c in (onsets or {}).items():
         if setup in colors:
             ax, color = colors[setup]
@@ -460,7 +466,9 @@ def final_loss_heatmap(runs: pd.DataFrame):
     fig, axes = _panels(runs.setup, "final loss over (lr, c_eff)", size=(3.9, 3.1))
     finite = runs.final_loss.astype(float)
     finite = finite[np.isfinite(finite)]
-    limits = (finite.min(), finite.max()) if len(finite) else (0.0, 1.0)
+    # a run that blew up would leave every other cell one colour: the scale stops at twice the median
+    # (the colour bar says so with its arrow) and each cell carries its value
+    limits = (finite.min(), min(finite.max(), 2 * finite.median())) if len(finite) else (0.0, 1.0)
     for setup, ax in axes.items():
         mine = runs[runs.setup == setup]
         grid = mine.pivot_table(index="lr", columns="c_eff", values="final_loss", aggfunc="mean", dropna=False)
@@ -475,7 +483,8 @@ def final_loss_heatmap(runs: pd.DataFrame):
         ax.set_xticks(range(grid.shape[1]), [short_number(c) for c in grid.columns], rotation=45)
         ax.set_yticks(range(grid.shape[0]), [short_number(lr) for lr in grid.index])
         ax.set(title=setup, xlabel="c_eff", ylabel="lr")
-    fig.colorbar(image, ax=list(axes.values()), label="final loss")
+    fig.colorbar(image, ax=list(axes.values()), label="final loss",
+                 extend="max" if len(finite) and finite.max() > limits[1] else "neither")
     return fig
 
 
