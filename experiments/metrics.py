@@ -1,4 +1,5 @@
-"""Metric sinks: metrics.jsonl and summary.json (always), W&B (offline by default).
+"""Metric sinks: metrics.jsonl and summary.json (always), W&B (offline by default; off with wandb.mode=disabled
+or WANDB_MODE=disabled in the environment).
 
 Local files are the source of truth; analysis reads only them. W&B never stops training: if it
 cannot start or fails mid-run, one warning is logged and the local files carry on.
@@ -35,6 +36,12 @@ def _json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
+def wandb_disabled_by_env() -> bool:
+    """WANDB_MODE=disabled in the environment switches W&B off whatever wandb.mode says: wandb.init's own
+    mode= argument would win over the variable, and wandb-core would still start."""
+    return os.environ.get("WANDB_MODE", "").strip().lower() == "disabled"
+
+
 class RunLog:
     def __init__(self, run_dir: Path, wandb_cfg, *, name: str, group: str | None, tags: list[str], config: dict):
         self.run_dir = run_dir
@@ -43,7 +50,10 @@ class RunLog:
         self._adam_stats = None  # adam_stats.jsonl, opened on first use
         self._wandb, self._wandb_failed = None, False
         if wandb_cfg.mode != "disabled":
-            self._wandb = self._start_wandb(wandb_cfg, name=name, group=group, tags=tags, config=config)
+            if wandb_disabled_by_env():
+                log.info("W&B off: WANDB_MODE=disabled in the environment (wandb.mode=%s)", wandb_cfg.mode)
+            else:
+                self._wandb = self._start_wandb(wandb_cfg, name=name, group=group, tags=tags, config=config)
 
     def _start_wandb(self, wandb_cfg, **run_info):
         """Online falls back to offline (no key, no network); if W&B cannot start at all, local files only."""

@@ -182,7 +182,8 @@ def test_unknown_key_is_refused_with_one_line_with_or_without_plus(cli, tmp_path
 
 def test_wandb_offline_writes_a_local_run(cli, tmp_path):
     run_dir = tmp_path / "run"
-    proc = cli([*TINY, "wandb.mode=offline", f"hydra.run.dir={run_dir}"])
+    # conftest's WANDB_MODE=disabled would switch W&B off (it wins over wandb.mode: test_dashboard.py)
+    proc = cli([*TINY, "wandb.mode=offline", f"hydra.run.dir={run_dir}"], extra_env={"WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and list(offline_runs[0].glob("*.wandb"))
@@ -193,7 +194,7 @@ def test_wandb_online_without_a_key_falls_back_to_offline(cli, tmp_path, monkeyp
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
     run_dir = tmp_path / "run"
-    proc = cli([*TINY, "wandb.mode=online", f"hydra.run.dir={run_dir}"])
+    proc = cli([*TINY, "wandb.mode=online", f"hydra.run.dir={run_dir}"], extra_env={"WANDB_MODE": "online"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "falling back to offline" in proc.stdout + proc.stderr
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
