@@ -418,8 +418,10 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
     for setup, group in clipped.groupby("setup", sort=False):
         group = group.sort_values("c_eff")
         style = styles(setup)
-        ax.plot(group.c_eff, group.clipped_steps / group.steps_done, style["marker"], color=style["color"], ms=6)
-        handles.append(Line2D([], [], color=style["color"], marker=style["marker"], ls="", label=f"{setup}: measured"))
+        size = max(10 - 2.5 * (len(handles) // 2), 4)  # shrinking, so that coinciding points all show
+        ax.plot(group.c_eff, group.clipped_steps / group.steps_done, style["marker"], color=style["color"], ms=size)
+        handles.append(Line2D([], [], color=style["color"], marker=style["marker"], ls="", ms=size,
+                              label=f"{setup}: measured"))
         reference = references[group.index[0]]
         if reference is not None:
             norms = curve(curves, reference, "train/grad_norm").to_numpy()
