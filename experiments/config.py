@@ -206,6 +206,9 @@ def register_configs() -> None:
     )
     # ${times:${model.hidden_size},2.75}: a dimension that scales with another (presets over model width)
     OmegaConf.register_new_resolver("times", times, replace=True)
+    from experiments.console import register_resolvers
+
+    register_resolvers()  # --help's generated parts, the job tag on a sweep's console lines
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     # schemas live apart from the user's choices, so `optimizer=...` lists only real options

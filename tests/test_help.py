@@ -1,0 +1,73 @@
+"""What a user reads: `python -m experiments.run --help` as a command's help, Hydra's kept at --hydra-help,
+and a help text on every option of every argparse command."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import CONF, compose
+
+GROUPS = ("optimizer", "model", "data", "finetune", "normalization", "experiment", "smoke", "hydra/launcher")
+
+
+def listed_keys(help_text: str) -> dict[str, str]:
+    """The `key=value` lines of the help's key list (the value as printed); not hydra.*'s placeholders."""
+    section = help_text.split("Keys (", 1)[1].split("\n\n", 1)[0]
+    lines = re.findall(r"^  ([\w.]+)=(\S+)\s{2,}", section, flags=re.MULTILINE)
+    return {key: value for key, value in lines if not key.startswith("hydra.")}
+
+
+def test_help_reads_as_the_commands_help(cli):
+    proc = cli(["--help"])
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert "python -m experiments.run -m optimizer=sgd,adamw scale=1,8" in text  # the user's command
+    for example in ("-m experiment=scale_sweep", "smoke=on", "-m hydra/launcher=local_parallel",
+                    "python -m experiments.run optimizer=sgd scale=8 steps=50"):
+        assert example in text
+    for group in GROUPS:
+        assert re.search(rf"^  {re.escape(group)} +\S", text, flags=re.MULTILINE), group
+    assert "schema/" not in text and "powered by hydra" not in text.lower()
+    assert "docs/configuration.md" in text and "README.md" in text and "--hydra-help" in text
+
+
+def test_help_lists_every_option_of_each_group_and_marks_the_one_in_use(cli):
+    text = cli(["optimizer=sgd", "--help"]).stdout
+    groups = text.split("Config groups", 1)[1].split("\n\n", 1)[0]
+    for group in GROUPS:
+        block = re.split(r"\n  \S", groups.split(f"\n  {group} ", 1)[1])[0]  # its description and options
+        options = [p.stem for p in (CONF / group).glob("*.yaml")] + (["basic"] if group == "hydra/launcher" else [])
+        for option in options:
+            assert re.search(rf"\b{option}\b", block), (group, option)
+    assert "sgd*" in groups and "adamw*" not in groups and "basic*" in groups and "llama3_2_tiny*" in groups
+
+
+@pytest.mark.parametrize("overrides", [[], ["optimizer=sgd"], ["optimizer=lion", "scale=8", "fix=false"]])
+def test_listed_values_are_the_composed_configs(cli, overrides):
+    """Every `key=value` the help lists, read as the override a user would type, is the config's value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import ListConfig, OmegaConf
+
+    proc = cli([*overrides, "--help"])
+    assert proc.returncode == 0, proc.stderr
+    keys = listed_keys(proc.stdout)
+    assert {"scale", "fix", "world_size", "optimizer.lr", "steps", "batch_size", "seq_len", "clip_grad_norm",
+            "precision", "seed", "adam_stats_every", "wandb.mode"} <= keys.keys()
+    cfg = compose(overrides)
+    parser = OverridesParser.create()
+    for key, shown in keys.items():
+        value = parser.parse_override(f"{key}={shown}").value()
+        expected = OmegaConf.select(cfg, key)
+        if isinstance(expected, ListConfig):
+            expected = OmegaConf.to_container(expected)
+        assert value == expected, (key, shown)
+    assert ("optimizer.eps" in keys) == (cfg.optimizer.name == "adamw")
+
+
+def test_hydra_help_is_still_hydras(cli):
+    proc = cli(["--hydra-help"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Hydra (") and "== Flags ==" in proc.stdout
+    assert "--hydra-help : Hydra's help" in proc.stdout
