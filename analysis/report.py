@@ -278,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep folders or run folders")
     parser.add_argument("--out", type=Path, help="output folder (default: FIRST_SWEEP/report)")
     parser.add_argument("--wandb", action="store_true", help="also log figures and runs table to W&B")
-    parser.add_argument("--wandb-mode", choices=("offline", "online"), default="offline")
-    parser.add_argument("--wandb-project", default="gradscale")
+    parser.add_argument("--wandb-mode", choices=("offline", "online"), default="offline",
+                        help="with --wandb: offline (a local run under OUT/wandb, sync later) or online "
+                             "(default: offline)")
+    parser.add_argument("--wandb-project", default="gradscale",
+                        help="with --wandb: the W&B project to log to (default: gradscale)")
     args = parser.parse_args(argv)
     out = args.out or args.sweeps[0] / "report"
     try:
