@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.advise", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="Verdicts: update-RMS ratio >= 0.99 within 1%, >= 0.90 noticeable, "
-                                            "below broken.")
+                                            "below broken.\n\nexample: python -m analysis.advise RUN_DIR "
+                                            "--world-sizes 8,64,1024 (RUN_DIR: python -m experiments.advise's)")
     parser.add_argument("run_dir", type=Path, help="an AdamW run folder with sqrt(v_hat) histograms "
                         "(adam_stats_every set; python -m experiments.advise makes one)")
     parser.add_argument("--world-sizes", default=",".join(map(str, DEFAULT_WORLD_SIZES)),

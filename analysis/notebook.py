@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m analysis.notebook",
         description="Execute an analysis notebook headless on a sweep and write the .ipynb with its outputs "
-                    "(figures and tables) into the sweep folder.")
+                    "(figures and tables) into the sweep folder.",
+        epilog="example: python -m analysis.notebook analysis/notebooks/01_world_size_fix.py SWEEP_DIR")
     parser.add_argument("notebook", type=Path,
                         help="the jupytext .py notebook, e.g. analysis/notebooks/01_world_size_fix.py")
     parser.add_argument("sweep", type=Path, help="the sweep folder (hydra.sweep.dir) the notebook reads")

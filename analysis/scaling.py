@@ -236,7 +236,9 @@ def format_tables(table: pd.DataFrame, fitted: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.scaling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m analysis.scaling", description=__doc__.split("\n\n")[0],
+                                     epilog="example: python -m analysis.scaling SWEEP_DIR --point RUN_DIR, "
+                                            "SWEEP_DIR from python -m experiments.run -m experiment=width_scaling")
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep folders (or run folders) of AdamW runs with "
                         "sqrt(v_hat) histograms, e.g. experiment=width_scaling's")
     parser.add_argument("--point", type=Path, action="append", default=[],

@@ -181,10 +181,15 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2, choices=range(2, 9), metavar="N (2..8)")
-    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
-    parser.add_argument("--grad-accum", type=int, default=2, choices=range(1, 9), metavar="A (1..8)")
+    parser = argparse.ArgumentParser(prog="python -m experiments.parity", description=__doc__.split("\n\n")[0],
+                                     epilog="example: python -m experiments.parity --world-size 4 --strategy fsdp2 "
+                                            "(exits non-zero when a recipe misses its expectation)")
+    parser.add_argument("--world-size", type=int, default=2, choices=range(2, 9), metavar="N (2..8)",
+                        help="real gloo ranks, one process each (default: 2)")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp",
+                        help="the engine whose gradients are checked: DDP or FSDP2 (default: ddp)")
+    parser.add_argument("--grad-accum", type=int, default=2, choices=range(1, 9), metavar="A (1..8)",
+                        help="micro-batches per rank and step (default: 2)")
     args = parser.parse_args(argv)
     rows = run_parity(args.world_size, args.strategy, args.grad_accum)
     print(f"parity: {args.world_size} {args.strategy} ranks (gloo), grad_accum={args.grad_accum}, tiny Llama 3.2, "

@@ -16,6 +16,7 @@ machine; built on first use with progress lines; later runs load it (about half 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import functools
@@ -154,15 +155,36 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
              target)
 
 
+# what each key of model.pretrain sets (experiments.config.PretrainConfig has the defaults)
+RECIPE_KEYS = {"steps": "AdamW steps", "lr": "AdamW's learning rate", "batch_size": "packed sequences per step",
+               "seq_len": "tokens per sequence", "seed": "initial weights and batch order"}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dataclasses import fields
+
+    from experiments.config import PretrainConfig
+
+    keys = [f"  model.pretrain.{f.name}={f.default:g}".ljust(34) + RECIPE_KEYS[f.name] for f in fields(PretrainConfig)]
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.pretrain", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Build the suite's own pretrained base for the model these overrides compose (the one a run\n"
+                    "with model.init=pretrained fine-tunes), or find it in the cache, and print its directory.",
+        epilog="the base's recipe (defaults; a model preset may set its own):\n" + "\n".join(keys) +
+               "\n\nexample: python -m experiments.pretrain model=llama3_2_tiny model.pretrain.steps=300")
+    parser.add_argument("overrides", nargs="*",
+                        help="config overrides (key=value) as for python -m experiments.run: model=... and model.* "
+                             "choose the architecture, model.pretrain.* the recipe")
+    return parser
+
+
 def main(argv: list[str]) -> int:
     """Build (or find) the base for the config these overrides compose, and print its directory."""
     from hydra import compose, initialize_config_dir
 
     from experiments.config import ConfigError, register_configs, to_object, validate
 
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
+    argv = build_parser().parse_args(argv).overrides
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s", stream=sys.stderr)
     from experiments.run import keep_freed_memory
 

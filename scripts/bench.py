@@ -353,7 +353,11 @@ def print_memory(peaks: dict[str, dict[int, float]], n_params: dict[int, int]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/bench.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="examples (docs/performance.md):\n"
+                                            "  python scripts/bench.py --repeats 30 --allocator 3 --sweep 3\n"
+                                            "  python scripts/bench.py --memory 5")
     parser.add_argument("overrides", nargs="*", help="the suite's config overrides, e.g. model=llama3_2_1b")
     parser.add_argument("--steps", type=int, default=50, help="timed optimizer steps per run (>= 1), after "
                         f"{WARMUP} warm-up steps")

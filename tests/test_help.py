@@ -3,11 +3,15 @@ and a help text on every option of every argparse command."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
 import re
+from unittest import mock
 
 import pytest
 
-from tests.conftest import CONF, compose
+from tests.conftest import CONF, ROOT, compose
 
 GROUPS = ("optimizer", "model", "data", "finetune", "normalization", "experiment", "smoke", "hydra/launcher")
 
@@ -71,3 +75,72 @@ def test_hydra_help_is_still_hydras(cli):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Hydra (") and "== Flags ==" in proc.stdout
     assert "--hydra-help : Hydra's help" in proc.stdout
+
+
+class _Parsed(Exception):
+    """Raised instead of parsing: the command's parser, built as its main() builds it, is all we need."""
+
+
+def parser_of(main) -> argparse.ArgumentParser:
+    """The ArgumentParser a command's main() builds, caught at its parse_args (nothing runs)."""
+    seen = []
+
+    def capture(self, args=None, namespace=None):
+        seen.append(self)
+        raise _Parsed
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), pytest.raises(_Parsed):
+        main([])
+    return seen[0]
+
+
+def _bench_main():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+COMMANDS = {
+    "analysis.report": lambda: importlib.import_module("analysis.report").main,
+    "analysis.notebook": lambda: importlib.import_module("analysis.notebook").main,
+    "analysis.advise": lambda: importlib.import_module("analysis.advise").main,
+    "analysis.scaling": lambda: importlib.import_module("analysis.scaling").main,
+    "experiments.advise": lambda: importlib.import_module("experiments.advise").main,
+    "experiments.pretrain": lambda: importlib.import_module("experiments.pretrain").main,
+    "experiments.parity": lambda: importlib.import_module("experiments.parity").main,
+    "scripts/bench.py": _bench_main,
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_of_every_command_has_help(command):
+    parser = parser_of(COMMANDS[command]())
+    assert parser.description and parser.description.strip(), command
+    assert parser.prog.startswith("python "), parser.prog  # as the user types it, not "bench.py"
+    for action in parser._actions:
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help.strip(), f"{command}: {name} has no help"
+
+
+def test_the_argparse_commands_are_all_covered():
+    """A new command with argparse gets its options' help checked too: add it to COMMANDS."""
+    found = set()
+    for path in (p for folder in ("analysis", "experiments", "scripts") for p in (ROOT / folder).glob("*.py")):
+        if "ArgumentParser(" in path.read_text():
+            found.add(f"scripts/{path.name}" if path.parent.name == "scripts" else f"{path.parent.name}.{path.stem}")
+    assert found - set(COMMANDS) <= {"analysis.dashboard"}  # its own tests, tests/test_dashboard.py
+
+
+def test_pretrain_help_lists_the_recipe_with_its_defaults(capsys):
+    from dataclasses import fields
+
+    from experiments.config import PretrainConfig
+    from experiments.pretrain import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for f in fields(PretrainConfig):
+        assert f"model.pretrain.{f.name}={f.default:g} " in text
