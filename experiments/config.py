@@ -184,7 +184,7 @@ class Config:
     clip_grad_norm: float | None = None
     precision: str = "fp32"  # fp32 | bf16 (autocast)
     device: str = "auto"  # auto | cpu | cuda
-    compile: bool = False  # torch.compile the model (README "Performance": what it buys, measured)
+    compile: bool = False  # torch.compile the model (docs/performance.md: what it buys, measured)
     log_every: int = 5
     eval_every: int = 50
     eval_batches: int = 4
@@ -508,7 +508,7 @@ def unknown_key_problem(cfg: DictConfig, key: str) -> str | None:
             keys = [str(k) for k in node] if isinstance(node, DictConfig) else []
             close = difflib.get_close_matches(part, keys, n=1, cutoff=0.6)
             hint = f"; did you mean {where + '.' if where else ''}{close[0]}?" if close else ""
-            return f"error: {key} is not a config key{hint} (README lists every key)"
+            return f"error: {key} is not a config key{hint} (docs/configuration.md lists every key)"
         node = node[part]
     return None
 

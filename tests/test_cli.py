@@ -176,7 +176,7 @@ def test_unknown_key_is_refused_with_one_line_with_or_without_plus(cli, tmp_path
     its first job when any job (here the sgd one) has no such key."""
     proc = cli([*args, *TINY, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [expected + " (README lists every key)"], proc.stderr
+    assert proc.stderr.strip().splitlines() == [expected + " (docs/configuration.md lists every key)"], proc.stderr
     assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
 
 
