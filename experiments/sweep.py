@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -56,28 +58,72 @@ def check_writable(key: str, folder: Path) -> None:
 NON_RESULT_KEYS = ("wandb",)
 
 
-def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -> set[tuple[str, ...]]:
+def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -> dict[tuple[str, ...], Path]:
     """Re-running into an existing sweep folder resumes it; refuse when the folder holds runs of another
     sweep (overrides no job of this one has) or of another config (a key's value changed since).
 
-    Returns the jobs (their overrides) whose folder holds a finished run: they will be skipped."""
+    Returns the folder each job (its overrides) already has: the job runs there again, or is skipped when its
+    run there is finished (is_finished)."""
     if not Path(sweep_dir).is_dir():
-        return set()
+        return {}
 
     def result_overrides(overrides) -> tuple[str, ...]:
         return tuple(o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] not in NON_RESULT_KEYS)
 
     wanted = {result_overrides(job): job for job in jobs}
-    finished = set()
+    folders: dict[tuple[str, ...], Path] = {}
     for job_dir in job_dirs(sweep_dir):
         done = result_overrides(job_overrides(job_dir))
         if done not in wanted:
             raise ConfigError(f"error: hydra.sweep.dir={str(sweep_dir)!r} holds runs of another sweep "
                               f"({job_dir.name}); re-run its own command, or choose a new hydra.sweep.dir")
         check_same_config(job_dir, jobs[wanted[done]], "hydra.sweep.dir", sweep_dir, "this sweep")
-        if is_finished(job_dir):
-            finished.add(wanted[done])
-    return finished
+        folders.setdefault(wanted[done], job_dir)
+    return folders
+
+
+def folder_name_overrides(jobs: list[list[str]], exclude_keys: list[str],
+                          existing: dict[tuple[str, ...], Path]) -> list[list[str]]:
+    """Per job (in job order), the hydra overrides that name its folder.
+
+    A folder is `N_OVERRIDES` (conf/config.yaml) with only the overrides that tell the sweep's jobs apart:
+    those every job shares (`experiment=...`, `smoke=on`) join exclude_keys. A job whose overrides are all
+    left out is just `N`; a sweep of one job keeps all of its overrides. A job that already has a folder
+    (a re-run, also of a sweep named before this rule) keeps that folder, so it is resumed or skipped."""
+    parser = OverridesParser.create()
+
+    def by_key(job: list[str]) -> dict[str, list[str]]:
+        lines: dict[str, list[str]] = {}
+        for override in parser.parse_overrides(job):
+            if not override.is_hydra_override():
+                lines.setdefault(override.key_or_group, []).append(str(override.input_line))
+        return lines
+
+    keyed = [by_key(job) for job in jobs]
+    shared = {key for key, lines in keyed[0].items() if all(k.get(key) == lines for k in keyed[1:])} \
+        if len(jobs) > 1 else set()
+    excluded = [*exclude_keys, *sorted(shared - set(exclude_keys))]
+    naming = [f"hydra.job.config.override_dirname.exclude_keys=[{','.join(map(hydra_quoted, excluded))}]"] \
+        if shared else []
+    result = []
+    for num, (job, keys) in enumerate(zip(jobs, keyed)):  # launchers number jobs in this order
+        folder = existing.get(tuple(job))
+        if folder is not None:
+            subdir = [f"hydra.sweep.subdir={hydra_quoted(folder.name)}"]
+        elif all(key in excluded for key in keys):
+            subdir = [f"hydra.sweep.subdir={num}"]  # not `N_`: nothing else names it
+        else:
+            subdir = []
+        result.append([*naming, *subdir])
+    return result
+
+
+def hydra_quoted(text: str) -> str:
+    """text as a quoted Hydra override value that reads back as exactly text: quotes (and backslashes before
+    them) escaped, `${` kept literal rather than an interpolation."""
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    body = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, body)  # backslashes before the closing quote
+    return "'" + body.replace("${", "\\${") + "'"
 
 
 def check_same_config(job_dir: Path, cfg: DictConfig, key: str, folder: Path, this: str) -> None:

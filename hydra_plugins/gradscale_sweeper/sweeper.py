@@ -5,7 +5,9 @@
 2. every job's config is composed and range-checked, and what it needs from the machine checked, before
    the first job starts, so a bad value anywhere in the sweep costs nothing;
 3. a job that fails is recorded (its summary.json says failed) and the other jobs still run;
-4. the sweep ends with a table of its runs, and exits non-zero if any failed.
+4. the sweep ends with a table of its runs, and exits non-zero if any failed;
+5. job folders are named by the overrides that tell the jobs apart (not `experiment=...`, `smoke=on`, which
+   every job shares), and a re-run keeps each job's existing folder (experiments.sweep.folder_name_overrides).
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
 
 from experiments.config import ConfigError, check_environment, validate
-from experiments.sweep import check_same_sweep, check_writable, format_sweep_table, sweep_runs
+from experiments.sweep import (
+    check_same_sweep,
+    check_writable,
+    folder_name_overrides,
+    format_sweep_table,
+    is_finished,
+    sweep_runs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +45,31 @@ class GradscaleSweeper(BasicSweeper):
                  include: list[list[str]] | None = None) -> None:
         super().__init__(max_batch_size, params)
         self.include = [[str(o) for o in job] for job in include or []]
-        self.finished: set[tuple[str, ...]] = set()  # jobs whose folder holds a finished run
+        self.folders: dict[tuple[str, ...], Path] = {}  # jobs that have a folder in the sweep already
 
-    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
-        """The grid (as the basic sweeper builds it), then one job per `include` entry."""
+    def jobs(self, overrides: list[Override]) -> list[list[str]]:
+        """Every job's own overrides: the grid (as the basic sweeper builds it), then one per `include` entry."""
         grid = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         fixed = [f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in overrides
                  if not o.is_sweep_override()]
         for entry in self.include:
             keys = {_key(o) for o in entry}
             grid.append([o for o in fixed if _key(o) not in keys] + entry)
-        # a finished job is skipped, and Hydra must not rewrite its .hydra/ (the provenance of its results)
-        grid = [[*job, "hydra.output_subdir=null"] if tuple(job) in self.finished else job for job in grid]
-        size = max_batch_size or len(grid)
-        return [grid[i:i + size] for i in range(0, len(grid), size)]
+        return grid
+
+    def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
+        """The jobs, each with the hydra overrides that name its folder, in batches."""
+        grid = self.jobs(overrides)
+        exclude_keys = list(self.config.hydra.job.config.override_dirname.exclude_keys)
+        naming = folder_name_overrides(grid, exclude_keys, self.folders)
+        launched = []
+        for job, names in zip(grid, naming):
+            folder = self.folders.get(tuple(job))
+            # a finished job is skipped, and Hydra must not rewrite its .hydra/ (the provenance of its results)
+            skipped = ["hydra.output_subdir=null"] if folder is not None and is_finished(folder) else []
+            launched.append([*job, *names, *skipped])
+        size = max_batch_size or len(launched)
+        return [launched[i:i + size] for i in range(0, len(launched), size)]
 
     def sweep(self, arguments: list[str]) -> Any:
         try:
@@ -66,7 +86,7 @@ class GradscaleSweeper(BasicSweeper):
         assert self.hydra_context is not None and self.config is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
-        jobs = [job for batch in self.split_arguments(overrides, None) for job in batch]
+        jobs = self.jobs(overrides)
         configs = {}
         for job in jobs:
             job_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(job))
@@ -79,7 +99,7 @@ class GradscaleSweeper(BasicSweeper):
 
         sweep_dir = Path(self.config.hydra.sweep.dir)
         check_writable("hydra.sweep.dir", sweep_dir)
-        self.finished = check_same_sweep(sweep_dir, configs)
+        self.folders = check_same_sweep(sweep_dir, configs)
         return jobs
 
     def validate_batch_is_legal(self, batch) -> None:
