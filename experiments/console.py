@@ -57,13 +57,15 @@ def help_key(key: str, *, _root_: DictConfig) -> str:
     return (text.ljust(KEY_WIDTH - 1) + " ").replace("$", "$$")
 
 
-def job_tag(mode: Any, num: Any, override_dirname: str) -> str:
+def job_tag(*, _root_: DictConfig) -> str:
     """'[3 optimizer=adamw,scale=8] ' on a sweep job's console lines, so parallel jobs' lines tell apart;
     '' for a single run. The overrides are those that name the job's folder (the sweep's shared ones left
     out), so the tag matches the folder."""
-    if not str(mode).endswith("MULTIRUN"):
-        return ""
-    tag = f"{num} {override_dirname}" if override_dirname else f"{num}"
+    if not str(OmegaConf.select(_root_, "hydra.mode", default="")).endswith("MULTIRUN"):
+        return ""  # a single run has no job number (hydra.job.num is unset)
+    num = OmegaConf.select(_root_, "hydra.job.num")
+    overrides = OmegaConf.select(_root_, "hydra.job.override_dirname", default="")
+    tag = f"{num} {overrides}" if overrides else f"{num}"
     return f"[{tag}] ".replace("%", "%%")  # the tag lands inside a logging format string
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
 from experiments.sweep import job_dirs
-from tests.conftest import TINY, read_metrics, run_in_process, train_records
+from tests.conftest import TINY, compose, read_metrics, run_in_process, train_records
 
 METRIC_KEYS = {
     "step", "train/loss", "train/grad_norm", "train/clipped", "train/lr", "train/update_rms", "train/param_norm",
@@ -198,3 +199,94 @@ def test_wandb_online_without_a_key_falls_back_to_offline(cli, tmp_path, monkeyp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "falling back to offline" in proc.stdout + proc.stderr
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+
+
+def progress_tags(output: str) -> list[str | None]:
+    """The job tag ('3 optimizer=adamw', None when untagged) of every `step ...` progress line."""
+    lines = [line for line in output.splitlines() if re.search(r"\] - (\[[^\]]*\] )?step \d", line)]
+    return [m.group(1) if (m := re.search(r"\] - \[([^\]]*)\] step \d", line)) else None for line in lines]
+
+
+def old_style_name(job_dir, exclude_keys) -> str:
+    """The folder name before folders left out the sweep's shared overrides: N_ and all of them."""
+    from experiments.sweep import job_overrides
+
+    lines = sorted(o for o in job_overrides(job_dir) if o.lstrip("+~").split("=")[0] not in exclude_keys)
+    return f"{job_dir.name.split('_')[0]}_{','.join(lines)}"
+
+
+def test_parallel_sweep_folders_and_progress_lines_name_what_tells_the_jobs_apart(cli, tmp_path):
+    """Side by side (joblib, 2 processes), every progress line carries its job's tag; folders and tags drop
+    the overrides every job shares (smoke=on, the tiny config); the include job, which shares them all, is
+    just its number. A re-run into folders named the old way resumes them in place."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=local_parallel", "smoke=on", "optimizer=sgd,adamw", *TINY, "steps=2",
+            "hydra.sweeper.include=[['steps=2']]", f"hydra.sweep.dir={sweep_dir}"]
+    proc = cli(args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [d.name for d in job_dirs(sweep_dir)] == ["0_optimizer=sgd", "1_optimizer=adamw", "2"]
+    tags = progress_tags(proc.stdout + proc.stderr)
+    assert None not in tags
+    # two records (steps 0 and 1) and one eval line per job, each line tagged as its folder is named
+    assert sorted(tags) == sorted(["0 optimizer=sgd"] * 3 + ["1 optimizer=adamw"] * 3 + ["2"] * 3)
+    # the same sweep, its folders named as before (every override): finished jobs skipped where they are
+    exclude_keys = compose([], with_hydra=True).hydra.job.config.override_dirname.exclude_keys
+    for d in job_dirs(sweep_dir):
+        d.rename(sweep_dir / old_style_name(d, exclude_keys))
+    old = [d.name for d in job_dirs(sweep_dir)]
+    assert old[0].startswith("0_batch_size=8,") and "smoke=on" in old[0]
+    (job_dirs(sweep_dir)[1] / "summary.json").unlink()  # job 1 runs again, in its old folder
+    again = cli(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [d.name for d in job_dirs(sweep_dir)] == old
+    assert "already completed, skipped" in (job_dirs(sweep_dir)[0] / "run.log").read_text()
+    assert json.loads((job_dirs(sweep_dir)[1] / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_one_job_sweep_keeps_its_overrides_and_a_single_run_has_no_tag(cli, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = cli(["-m", "scale=8", *TINY, "steps=1", f"hydra.sweep.dir={sweep_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = "0_batch_size=8,eval_batches=1,eval_every=2,log_every=1,model.init=random,scale=8,seq_len=64,steps=1"
+    assert [d.name for d in job_dirs(sweep_dir)] == [name]
+    assert set(progress_tags(proc.stdout + proc.stderr)) == {name.replace("_", " ", 1)}
+    single = cli([*TINY, "steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert single.returncode == 0, single.stderr[-3000:]
+    tags = progress_tags(single.stdout + single.stderr)
+    assert tags and set(tags) == {None}
+
+
+@pytest.mark.parametrize(("jobs", "expected"), [
+    # shared keys join exclude_keys; a job left with none is its number alone
+    ([["smoke=on", "optimizer=sgd"], ["smoke=on", "optimizer=adamw"], ["smoke=on"]],
+     [["X=['wandb.mode','smoke']"], ["X=['wandb.mode','smoke']"], ["X=['wandb.mode','smoke']", "S=2"]]),
+    ([["a=1", "+b=2"], ["a=1", "+b=3"]], [["X=['wandb.mode','a']"]] * 2),
+    ([["a=1", "b=2"], ["a=2", "b=2", "c=[1,2]"]], [["X=['wandb.mode','b']"]] * 2),
+    ([["a=1"], ["a=2"]], [[], []]),  # nothing shared: the names are as they were
+    ([["a=1"]], [[]]),  # one job: its overrides name it
+    ([[]], [["S=0"]]),  # one job without overrides: `0`, not `0_`
+])
+def test_folder_name_overrides(jobs, expected):
+    from experiments.sweep import folder_name_overrides
+
+    short = [[o.replace("hydra.job.config.override_dirname.exclude_keys", "X").replace("hydra.sweep.subdir", "S")
+              for o in job] for job in folder_name_overrides(jobs, ["wandb.mode"], {})]
+    assert short == expected
+
+
+def test_a_job_keeps_the_folder_it_has(tmp_path):
+    from experiments.sweep import folder_name_overrides
+
+    jobs = [["smoke=on", "scale=1"], ["smoke=on", "scale=2"]]
+    naming = folder_name_overrides(jobs, [], {("smoke=on", "scale=2"): tmp_path / "1_scale=2,smoke=on"})
+    assert naming[1][-1] == "hydra.sweep.subdir='1_scale=2,smoke=on'" and len(naming[0]) == 1
+
+
+@pytest.mark.parametrize("name", ["0_a=b,c=[1,2]", "1_data.hf_name='x y'", "2_a=${foo}", "3_a=b\\c", "4_a=\\'q",
+                                  "5_ends\\"])
+def test_a_kept_folder_name_reads_back_exactly(name):
+    """Whatever an old folder is called, the override that keeps it reads back as exactly that name."""
+    from experiments.sweep import hydra_quoted
+
+    cfg = compose([f"hydra.sweep.subdir={hydra_quoted(name)}"], with_hydra=True)
+    assert cfg.hydra.sweep.subdir == name
