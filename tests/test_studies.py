@@ -99,7 +99,7 @@ def test_world_size_fix_reproduces_the_reports_three_runs(tmp_path, cache_dir):
     bug, control = runs[("sgd", False, 0.03)], runs[("sgd", True, 0.00375)]
     assert [r["train/loss"] for r in bug] == pytest.approx([r["train/loss"] for r in control], rel=1e-6)
     report = (sweep_dir / "report" / "report.md").read_text()
-    assert "SGD(lr=0.03, c=0.125) == SGD(lr=0.00375, c=1)" in report
+    assert "SGD(lr=0.03, c=0.125) == SGD(lr=3.75e-3, c=1)" in report
 
 
 def test_study_script_names_the_studies_on_a_bad_name():
