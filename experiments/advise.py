@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.config import override_key
+
 DEFAULT_STEPS = 20
 # what makes the run the advisor's reference: c = 1, records on every step
 FIXED_KEYS = {"scale": "1", "fix": "true"}
@@ -28,7 +30,7 @@ class AdviseError(Exception):
 
 def reference_overrides(overrides: list[str]) -> tuple[list[str], Path]:
     """The run's overrides (the user's, then the advisor's defaults and fixed keys) and its folder."""
-    keys = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] if "=" in o else "" for o in overrides}
+    keys = {override_key(o): o.split("=", 1)[1] if "=" in o else "" for o in overrides}
     if "-m" in overrides or "--multirun" in overrides:
         raise AdviseError("error: experiments.advise runs one reference fine-tune, not a sweep: drop -m")
     for key in FIXED_KEYS:

@@ -77,3 +77,25 @@ def load(run_dir: Path, model, optimizer, ranks: Ranks) -> LoopState | None:
 def remove(run_dir: Path, ranks: Ranks) -> None:
     if ranks.rank == 0:
         (run_dir / FILENAME).unlink(missing_ok=True)
+
+
+@dataclass
+class Checkpointer:
+    """The loop's checkpoints in run_dir, every `every` steps: resumed from, saved, removed at the end."""
+
+    run_dir: Path
+    every: int
+    ranks: Ranks
+
+    def resume(self, model, optimizer) -> LoopState | None:
+        return load(self.run_dir, model, optimizer, self.ranks)
+
+    def due(self, step: int, steps: int) -> bool:
+        """After `step`, a checkpoint is due (not after the last step: the run is then done)."""
+        return (step + 1) % self.every == 0 and step + 1 < steps
+
+    def save(self, model, optimizer, state: LoopState) -> None:
+        save(self.run_dir, model, optimizer, state, self.ranks)
+
+    def remove(self) -> None:
+        remove(self.run_dir, self.ranks)

@@ -36,6 +36,11 @@ class OptimizerConfig:
     lr: float = MISSING
     weight_decay: float = 0.0
 
+    def check(self) -> None:
+        _check(self.name in OPTIMIZERS, "optimizer.name", self.name, f"one of {', '.join(OPTIMIZERS)}")
+        _finite_positive("optimizer.lr", self.lr)
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "must be >= 0")
+
 
 @dataclass
 class SGDConfig(OptimizerConfig):
@@ -44,6 +49,11 @@ class SGDConfig(OptimizerConfig):
     momentum: float = 0.9
     nesterov: bool = False
 
+    def check(self) -> None:
+        OptimizerConfig.check(self)
+        _check(0 <= self.momentum < 1, "optimizer.momentum", self.momentum, "must be in [0, 1)")
+        _check(not self.nesterov or self.momentum > 0, "optimizer.nesterov", self.nesterov, "needs momentum > 0")
+
 
 @dataclass
 class AdamWConfig(OptimizerConfig):
@@ -51,6 +61,12 @@ class AdamWConfig(OptimizerConfig):
     lr: float = 1e-3
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
+
+    def check(self) -> None:
+        OptimizerConfig.check(self)
+        _check_betas(self.betas)
+        # eps = 0 is 0/0 on coordinates that never get a gradient (unused embedding rows)
+        _finite_positive("optimizer.eps", self.eps)
 
 
 @dataclass
@@ -63,6 +79,12 @@ class AdamAtan2Config(OptimizerConfig):
     a: float = 4 / math.pi  # update = a * atan2(m_hat, b * sqrt(v_hat))
     b: float = 1.0
 
+    def check(self) -> None:
+        OptimizerConfig.check(self)
+        _check_betas(self.betas)
+        _finite_positive("optimizer.a", self.a)
+        _finite_positive("optimizer.b", self.b)
+
 
 @dataclass
 class LionConfig(OptimizerConfig):
@@ -71,6 +93,10 @@ class LionConfig(OptimizerConfig):
     name: str = "lion"
     lr: float = 3e-4  # sign updates have RMS 1: the paper's advice is 3-10x below AdamW's lr
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+
+    def check(self) -> None:
+        OptimizerConfig.check(self)
+        _check_betas(self.betas)
 
 
 @dataclass
@@ -83,6 +109,16 @@ class FinetuneConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
+    def check(self) -> None:
+        _check(self.name in FINETUNES, "finetune.name", self.name, f"one of {', '.join(FINETUNES)}")
+        if self.name == "lora":
+            _int_at_least("finetune.rank", self.rank, 1)
+            _finite_positive("finetune.alpha", self.alpha)
+            _check(0 <= self.dropout < 1, "finetune.dropout", self.dropout, "must be in [0, 1)")
+            targets = list(self.target_modules)
+            _check(bool(targets) and set(targets) <= set(LORA_TARGETS), "finetune.target_modules", targets,
+                   f"a non-empty list of {', '.join(LORA_TARGETS)}")
+
 
 @dataclass
 class PretrainConfig:
@@ -93,6 +129,13 @@ class PretrainConfig:
     batch_size: int = 16
     seq_len: int = 128
     seed: int = 0
+
+    def check(self, max_positions: int) -> None:
+        for key in ("steps", "batch_size", "seq_len"):
+            _int_at_least(f"model.pretrain.{key}", getattr(self, key), 2 if key == "seq_len" else 1)
+        _finite_positive("model.pretrain.lr", self.lr)
+        _check(self.seq_len <= max_positions, "model.pretrain.seq_len", self.seq_len,
+               f"must be <= model.max_position_embeddings ({max_positions})")
 
 
 @dataclass
@@ -125,6 +168,14 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int = 8192
 
+    def check(self) -> None:
+        """Values only: the files it names are check_files' (they are read once per process)."""
+        _check(self.init in INITS, "model.init", self.init, f"one of {', '.join(INITS)}")
+        _check(not (self.path and self.gguf_file), "model.gguf_file", self.gguf_file,
+               "must be null when model.path is set (one source of weights)")
+        if self.init == "pretrained" and not (self.path or self.gguf_file):
+            PretrainConfig.check(self.pretrain, self.max_position_embeddings)
+
 
 @dataclass
 class DataConfig:
@@ -141,6 +192,16 @@ class DataConfig:
     tokenizer_vocab_size: int = 2048  # BPE built on the corpus when no model.path tokenizer
     cache_dir: str | None = None  # tokenizer cache; default ~/.cache/gradscale
 
+    def check(self) -> None:
+        """Values only: data.path's records are check_files'."""
+        _check(self.name in DATASETS, "data.name", self.name, f"one of {', '.join(DATASETS)}")
+        _check(0 < self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "must be in (0, 1)")
+        _check(self.template in TEMPLATES, "data.template", self.template, f"one of {', '.join(TEMPLATES)}")
+        if self.name == "jsonl":
+            _check(bool(self.path), "data.path", self.path, "must name a local JSONL file for data=jsonl")
+        if self.name == "hf":
+            _check(bool(self.hf_name), "data.hf_name", self.hf_name, "must name a dataset for data=hf")
+
 
 @dataclass
 class NormalizationConfig:
@@ -148,11 +209,18 @@ class NormalizationConfig:
 
     name: str = "global_tokens"
 
+    def check(self) -> None:
+        _check(self.name in RECIPES, "normalization.name", self.name, f"one of {', '.join(RECIPES)}")
+
 
 @dataclass
 class DistConfig:
     strategy: str = "ddp"  # under torchrun: ddp | fsdp2
     timeout_s: float = 300.0  # process-group timeout: a dead rank ends the job within this
+
+    def check(self) -> None:
+        _check(self.strategy in STRATEGIES, "dist.strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
+        _finite_positive("dist.timeout_s", self.timeout_s)
 
 
 @dataclass
@@ -161,6 +229,9 @@ class WandbConfig:
     project: str = "gradscale"
     group: str | None = None  # default: the sweep folder's name
     tags: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        _check(self.mode in WANDB_MODES, "wandb.mode", self.mode, f"one of {', '.join(WANDB_MODES)}")
 
 
 @dataclass
@@ -190,6 +261,22 @@ class Config:
     eval_batches: int = 4
     adam_stats_every: int | None = 50  # per-tensor sqrt(v_hat) quantiles -> adam_stats.jsonl; null: off
     checkpoint_every: int | None = 50  # checkpoint.pt for resuming a killed run; null: off
+
+
+# ---------------------------------------------------------------------------------------------
+# What a config means: resolved here, once
+
+
+def normalization_in_effect(fix: bool, normalization: str) -> str:
+    """`fix` is the user's short switch for the common case: fix=false turns normalization=global_tokens
+    into global_tokens_no_world_fix (the pre-fix recipe). Every other recipe is taken as named."""
+    return "global_tokens_no_world_fix" if normalization == "global_tokens" and not fix else normalization
+
+
+def c_eff(scale: float, normalization: str, world_size: int) -> float:
+    """The effective multiplier: the optimizer sees c_eff times the gradient of the global token-mean loss.
+    The studied factor c, and the pre-fix recipe's missing world-size factor 1/N (experiments/grads.py)."""
+    return scale / world_size if normalization == "global_tokens_no_world_fix" else scale
 
 
 def times(value: int, factor: float) -> int:
@@ -298,14 +385,25 @@ def resolve_world_size(world_size: int, overrides: list[str]) -> int:
     env = torchrun_world_size()
     if env is None:
         return world_size
-    explicit = any(o.lstrip("+~").split("=")[0] == "world_size" for o in overrides)
+    explicit = any(override_key(o) == "world_size" for o in overrides)
     _check(not explicit or world_size == env, "world_size", world_size,
            f"must match torchrun's WORLD_SIZE={env} (or be left out)")
     return env
 
 
+def _check_betas(betas) -> None:
+    betas = list(betas)
+    _check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "optimizer.betas", betas, "two numbers in [0, 1)")
+
+
+def section_check(section: Any, *args) -> None:
+    """The section's own check (its dataclass's `check`), on a DictConfig node or a dataclass instance."""
+    OmegaConf.get_type(section).check(section, *args)
+
+
 def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> None:
-    """Refuse bad input with one line naming the key, the value and what is allowed.
+    """Refuse bad input with one line naming the key, the value and what is allowed: the run's own keys,
+    each section by its own check, what sections ask of each other, then the files the config names.
 
     overrides: the job's command-line overrides (default: hydra.overrides.task when cfg has it)."""
     if overrides is None:
@@ -313,22 +411,19 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     _finite_positive("scale", cfg.scale)
     _int_at_least("world_size", cfg.world_size, 1)
     world_size = resolve_world_size(cfg.world_size, overrides)
-    _int_at_least("steps", cfg.steps, 1)
-    _int_at_least("batch_size", cfg.batch_size, 1)
+    for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "eval_batches"):
+        _int_at_least(key, getattr(cfg, key), 1)
     _int_at_least("seq_len", cfg.seq_len, 2)
-    _int_at_least("grad_accum", cfg.grad_accum, 1)
-    _int_at_least("log_every", cfg.log_every, 1)
-    _int_at_least("eval_every", cfg.eval_every, 1)
-    _int_at_least("eval_batches", cfg.eval_batches, 1)
-    if cfg.adam_stats_every is not None:
-        _int_at_least("adam_stats_every", cfg.adam_stats_every, 1)
-    if cfg.checkpoint_every is not None:
-        _int_at_least("checkpoint_every", cfg.checkpoint_every, 1)
+    for key in ("adam_stats_every", "checkpoint_every"):
+        if getattr(cfg, key) is not None:
+            _int_at_least(key, getattr(cfg, key), 1)
     if cfg.clip_grad_norm is not None:
         _finite_positive("clip_grad_norm", cfg.clip_grad_norm)
     _check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")
     _check(cfg.device in DEVICES, "device", cfg.device, f"one of {', '.join(DEVICES)}")
-    _check(cfg.wandb.mode in WANDB_MODES, "wandb.mode", cfg.wandb.mode, f"one of {', '.join(WANDB_MODES)}")
+    for section in (cfg.wandb, cfg.normalization, cfg.dist, cfg.optimizer, cfg.finetune, cfg.model, cfg.data):
+        section_check(section)
+
     _check(
         cfg.batch_size % (world_size * cfg.grad_accum) == 0,
         "batch_size",
@@ -336,60 +431,27 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
         f"must be divisible by world_size * grad_accum = {world_size} * {cfg.grad_accum}",
     )
     recipe = cfg.normalization.name
-    _check(recipe in RECIPES, "normalization.name", recipe, f"one of {', '.join(RECIPES)}")
-    _check(cfg.fix or recipe == "global_tokens", "fix", cfg.fix,
+    _check(cfg.fix or recipe.startswith("global_tokens"), "fix", cfg.fix,
            f"fix=false is the switch for normalization=global_tokens; normalization={recipe} has no fix to turn off")
-    _check(cfg.dist.strategy in STRATEGIES, "dist.strategy", cfg.dist.strategy, f"one of {', '.join(STRATEGIES)}")
-    _finite_positive("dist.timeout_s", cfg.dist.timeout_s)
-
-    opt = cfg.optimizer
-    _check(opt.name in OPTIMIZERS, "optimizer.name", opt.name, f"one of {', '.join(OPTIMIZERS)}")
-    _finite_positive("optimizer.lr", opt.lr)
-    _check(opt.weight_decay >= 0, "optimizer.weight_decay", opt.weight_decay, "must be >= 0")
-    if opt.name == "sgd":
-        _check(0 <= opt.momentum < 1, "optimizer.momentum", opt.momentum, "must be in [0, 1)")
+    model, data = cfg.model, cfg.data
+    if not (model.path or model.gguf_file) and model.init == "random":  # otherwise the checkpoint's tokenizer
         _check(
-            not opt.nesterov or opt.momentum > 0, "optimizer.nesterov", opt.nesterov, "needs momentum > 0"
+            256 < data.tokenizer_vocab_size <= model.vocab_size,
+            "data.tokenizer_vocab_size",
+            data.tokenizer_vocab_size,
+            f"must be in (256, model.vocab_size={model.vocab_size}]: byte-level BPE needs 256 base tokens",
         )
-    if opt.name in ("adamw", "adam_atan2", "lion"):
-        betas = list(opt.betas)
-        _check(
-            len(betas) == 2 and all(0 <= b < 1 for b in betas),
-            "optimizer.betas",
-            betas,
-            "two numbers in [0, 1)",
-        )
-    if opt.name == "adamw":
-        # eps = 0 is 0/0 on coordinates that never get a gradient (unused embedding rows)
-        _finite_positive("optimizer.eps", opt.eps)
-    if opt.name == "adam_atan2":
-        _finite_positive("optimizer.a", opt.a)
-        _finite_positive("optimizer.b", opt.b)
+    check_files(cfg)
 
-    finetune = cfg.finetune
-    _check(finetune.name in FINETUNES, "finetune.name", finetune.name, f"one of {', '.join(FINETUNES)}")
-    if finetune.name == "lora":
-        _int_at_least("finetune.rank", finetune.rank, 1)
-        _finite_positive("finetune.alpha", finetune.alpha)
-        _check(0 <= finetune.dropout < 1, "finetune.dropout", finetune.dropout, "must be in [0, 1)")
-        targets = list(finetune.target_modules)
-        _check(bool(targets) and set(targets) <= set(LORA_TARGETS), "finetune.target_modules", targets,
-               f"a non-empty list of {', '.join(LORA_TARGETS)}")
 
-    model = cfg.model
-    _check(model.init in INITS, "model.init", model.init, f"one of {', '.join(INITS)}")
-    _check(not (model.path and model.gguf_file), "model.gguf_file", model.gguf_file,
-           "must be null when model.path is set (one source of weights)")
+def check_files(cfg: DictConfig | Config) -> None:
+    """What the files the config names must hold: model.path a checkpoint, model.gguf_file a file, data.path
+    JSONL records; and seq_len within the checkpoint's positions. Each file is read once per process
+    (file_problem), so a sweep of many jobs on one data file reads it once."""
+    model, data = cfg.model, cfg.data
     if model.gguf_file and not model.gguf_package:
         _check(os.path.isfile(model.gguf_file), "model.gguf_file", model.gguf_file,
                "must be an existing GGUF file (or name the file inside model.gguf_package)")
-    if model.init == "pretrained" and not (model.path or model.gguf_file):
-        pre = model.pretrain
-        for key in ("steps", "batch_size", "seq_len"):
-            _int_at_least(f"model.pretrain.{key}", getattr(pre, key), 2 if key == "seq_len" else 1)
-        _finite_positive("model.pretrain.lr", pre.lr)
-        _check(pre.seq_len <= model.max_position_embeddings, "model.pretrain.seq_len", pre.seq_len,
-               f"must be <= model.max_position_embeddings ({model.max_position_embeddings})")
     if model.path:
         _check(os.path.isdir(model.path), "model.path", model.path, "must be an existing directory")
         for files, what in ((("config.json",), "no config.json"), (CHECKPOINT_WEIGHTS, "no weights"),
@@ -407,25 +469,22 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
         cfg.seq_len,
         f"must be <= the model's max_position_embeddings ({max_positions})",
     )
-
-    data = cfg.data
-    _check(data.name in DATASETS, "data.name", data.name, f"one of {', '.join(DATASETS)}")
-    _check(0 < data.eval_fraction < 1, "data.eval_fraction", data.eval_fraction, "must be in (0, 1)")
-    _check(data.template in TEMPLATES, "data.template", data.template, f"one of {', '.join(TEMPLATES)}")
     if data.name == "jsonl":
-        _check(bool(data.path), "data.path", data.path, "must name a local JSONL file for data=jsonl")
         _check(os.path.isfile(data.path), "data.path", data.path, "must be an existing JSONL file")
-        problem = jsonl_problem(data.path, data.prompt_field, data.response_field)
+        problem = file_problem(jsonl_problem, data.path, data.prompt_field, data.response_field)
         _check(problem is None, "data.path", data.path, f"must be a JSONL file of records: {problem}")
-    if data.name == "hf":
-        _check(bool(data.hf_name), "data.hf_name", data.hf_name, "must name a dataset for data=hf")
-    if not (model.path or model.gguf_file) and model.init == "random":  # otherwise the checkpoint's tokenizer
-        _check(
-            256 < data.tokenizer_vocab_size <= model.vocab_size,
-            "data.tokenizer_vocab_size",
-            data.tokenizer_vocab_size,
-            f"must be in (256, model.vocab_size={model.vocab_size}]: byte-level BPE needs 256 base tokens",
-        )
+
+
+_FILE_PROBLEMS: dict[tuple, str | None] = {}
+
+
+def file_problem(probe, path: str, *args) -> str | None:
+    """probe(path, *args), remembered while the file stays as it was (size and modification time)."""
+    stat = os.stat(path)
+    key = (probe.__name__, os.path.abspath(path), stat.st_size, stat.st_mtime_ns, *args)
+    if key not in _FILE_PROBLEMS:
+        _FILE_PROBLEMS[key] = probe(path, *args)
+    return _FILE_PROBLEMS[key]
 
 
 def installed_torch_cuda() -> bool | None:
@@ -539,5 +598,27 @@ def refuse_unknown_keys() -> None:
 
 
 def to_object(cfg: DictConfig) -> Config:
-    """The validated job config (as the task function gets it: no hydra node) as dataclass instances."""
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    """The validated job config (as the task function gets it: no hydra node) as dataclass instances, with
+    `fix` resolved into the normalization in effect: the one place it is (normalization_in_effect)."""
+    run_cfg: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    run_cfg.normalization.name = normalization_in_effect(run_cfg.fix, run_cfg.normalization.name)
+    return run_cfg
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    """The composed DictConfig for these overrides, as the command line builds it (the hydra node, launcher
+    and sweeper included only when asked): for Python callers (tests, the benchmark, the parity oracle)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
+
+
+def override_key(override: str) -> str:
+    """The key an override sets: `+optimizer.eps=1e-6` -> optimizer.eps, `~clip_grad_norm` -> clip_grad_norm."""
+    return override.split("=", 1)[0].lstrip("+~")

@@ -11,7 +11,7 @@ recipe's loss weight, 1 for the global-token recipes) and calls backward. Then:
     grad      *= min(1, max_norm / grad_norm)      optional clipping
 
 With fix=True the optimizer sees the gradient of the global token-mean loss, g; with fix=False it
-sees g / N. The effective multiplier is c_eff = scale * (1 if fix else 1/N).
+sees g / N. The effective multiplier is c_eff = scale * (1 if fix else 1/N) (config.c_eff).
 
 Emulating N ranks in one process costs nothing: the sum of per-rank sums is the sum over the
 global batch, so one backward over the global batch and the factor 1/N give the averaged gradient.
@@ -31,35 +31,32 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments.config import c_eff
 from experiments.data import IGNORE_INDEX
 from experiments.parallel import Ranks, local
 
 
 @dataclass(frozen=True)
 class GradPipeline:
-    world_size: int
-    fix: bool
-    scale: float
-    clip_grad_norm: float | None = None
-    recipe: str = "global_tokens"
-    grad_accum: int = 1
+    """recipe: the normalization in effect (`fix` is resolved into it with the config: config.to_object)."""
 
-    @property
-    def recipe_in_effect(self) -> str:
-        """`fix=false` is the short switch from global_tokens to global_tokens_no_world_fix."""
-        return "global_tokens_no_world_fix" if self.recipe == "global_tokens" and not self.fix else self.recipe
+    world_size: int
+    scale: float
+    recipe: str = "global_tokens"
+    clip_grad_norm: float | None = None
+    grad_accum: int = 1
 
     def sequence_weights(self, targets: torch.Tensor) -> torch.Tensor:
         """Loss weight of each sequence of the global batch, applied before backward.
 
         Rank r owns block r of the batch and its micro-batch k is block k of that (as in Ranks)."""
         counts = (targets != IGNORE_INDEX).sum(1).double()
-        if self.recipe_in_effect.startswith("global_tokens"):
+        if self.recipe.startswith("global_tokens"):
             return torch.ones_like(counts, dtype=torch.float32)
-        blocks = self.world_size * (self.grad_accum if self.recipe_in_effect == "per_microbatch_mean" else 1)
+        blocks = self.world_size * (self.grad_accum if self.recipe == "per_microbatch_mean" else 1)
         per_block = torch.stack([c.sum() for c in counts.chunk(blocks)]).clamp_min(1)
         weights = 1.0 / per_block
-        if self.recipe_in_effect == "per_microbatch_mean":
+        if self.recipe == "per_microbatch_mean":
             weights = weights / self.grad_accum
         return weights.repeat_interleave(len(targets) // blocks).float()
 
@@ -72,13 +69,13 @@ class GradPipeline:
         normalization = {
             "global_tokens": self.world_size / num_tokens,
             "global_tokens_no_world_fix": 1.0 / num_tokens,
-        }.get(self.recipe_in_effect, 1.0)  # the mean recipes normalized before backward
+        }.get(self.recipe, 1.0)  # the mean recipes normalized before backward
         return rank_average * normalization * self.scale
 
     @property
-    def effective_scale(self) -> float:
-        """c_eff: the gradient the optimizer sees is c_eff times the token-mean gradient (global recipes)."""
-        return self.scale * (1.0 / self.world_size if self.recipe_in_effect == "global_tokens_no_world_fix" else 1.0)
+    def c_eff(self) -> float:
+        """The gradient the optimizer sees is c_eff times the token-mean gradient (global recipes)."""
+        return c_eff(self.scale, self.recipe, self.world_size)
 
     @torch.no_grad()
     def apply(

@@ -27,7 +27,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -97,14 +97,11 @@ def expectation(case: str, recipe: str, world_size: int) -> tuple[str, Callable[
     return "differs in direction", lambda err, ratio, cos: cos < 1 - DIRECTION_GAP
 
 
-def _model_config():
-    from hydra import compose, initialize_config_dir
+def _config(world_size: int, grad_accum: int):
+    """The tiny model from a seeded random init (the same weights on every rank and for the reference)."""
+    from experiments.config import compose, to_object
 
-    from experiments.config import register_configs, to_object
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
-        return to_object(compose(config_name="config")).model
+    return to_object(compose(["model.init=random", f"world_size={world_size}", f"grad_accum={grad_accum}"]))
 
 
 def _rank_main(rank, world_size, port, strategy, grad_accum, out_dir, child_setup):
@@ -114,19 +111,18 @@ def _rank_main(rank, world_size, port, strategy, grad_accum, out_dir, child_setu
     torch.set_num_threads(1)
     if child_setup is not None:
         child_setup()  # e.g. a test's injected bug
-    from experiments import model as model_lib
     from experiments import parallel, train
-    from experiments.grads import GradPipeline
+    from experiments.job import build_model, build_pipeline
 
-    model_cfg = _model_config()
+    cfg = _config(world_size, grad_accum)
     ranks = parallel.setup(strategy, world_size, timeout_s=120, device=torch.device("cpu"))
-    net = parallel.wrap(model_lib.build_model(model_cfg, seed=0, device=torch.device("cpu")), ranks)
+    net = build_model(cfg, torch.device("cpu"), ranks)
     params = list(net.parameters())
     for case in CASES:
-        inputs, targets = parity_batch(case, world_size, grad_accum, model_cfg.vocab_size)
+        inputs, targets = parity_batch(case, world_size, grad_accum, cfg.model.vocab_size)
         for recipe in RECIPES:
             net.zero_grad(set_to_none=True)
-            pipeline = GradPipeline(world_size, fix=True, scale=1.0, recipe=recipe, grad_accum=grad_accum)
+            pipeline = replace(build_pipeline(cfg, world_size), recipe=recipe)
             _, num_tokens = train.accumulate_gradients(net, inputs, targets, pipeline, ranks, grad_accum,
                                                        contextlib.nullcontext(), torch.device("cpu"))
             pipeline.apply(params, num_tokens, ranks)
@@ -147,16 +143,17 @@ def run_parity(world_size: int = 2, strategy: str = "ddp", grad_accum: int = 2,
     """child_setup runs first in every rank process (it must be picklable: a module-level function)."""
     import torch.multiprocessing as mp
 
-    from experiments.model import build_model
+    from experiments.job import build_model
+    from experiments.parallel import Ranks
 
-    model_cfg = _model_config()
-    reference_model = build_model(model_cfg, seed=0, device=torch.device("cpu"))
+    cfg = _config(world_size, grad_accum)
+    reference_model = build_model(cfg, torch.device("cpu"), Ranks(world_size=1))
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_rank_main, args=(world_size, _free_port(), strategy, grad_accum, out_dir, child_setup),
                  nprocs=world_size, join=True)
         rows = []
         for case in CASES:
-            inputs, targets = parity_batch(case, world_size, grad_accum, model_cfg.vocab_size)
+            inputs, targets = parity_batch(case, world_size, grad_accum, cfg.model.vocab_size)
             reference = reference_gradient(reference_model, inputs, targets).double()
             tokens_per_rank = [int((t != IGNORE_INDEX).sum()) for t in targets.chunk(world_size)]
             for recipe in RECIPES:

@@ -109,10 +109,11 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     from experiments import data, optim, weights
     from experiments.config import AdamWConfig, WandbConfig
     from experiments.grads import GradPipeline
+    from experiments.job import Job
     from experiments.metrics import RunLog
     from experiments.model import llama_config
     from experiments.parallel import Ranks
-    from experiments.train import train
+    from experiments.train import LoopConfig, train
 
     pre = model_cfg.pretrain
     log.info("building the pretrained base for model=%s (%d steps; once, then cached) -> %s",
@@ -137,11 +138,12 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True)
     run_log = RunLog(tmp, WandbConfig(mode="disabled"), name="pretrain", group=None, tags=[], config={})
+    job = Job(model, optimizer, batches, GradPipeline(world_size=1, scale=1.0), Ranks(world_size=1),
+              torch.device("cpu"), contextlib.nullcontext())
+    loop = LoopConfig(steps=pre.steps, log_every=max(1, pre.steps // 20), eval_every=max(1, pre.steps // 5),
+                      eval_batches=4, adam_stats_every=None)
     with all_cores():
-        result = train(model, optimizer, batches, GradPipeline(world_size=1, fix=True, scale=1.0), run_log,
-                       Ranks(world_size=1), steps=pre.steps, grad_accum=1, log_every=max(1, pre.steps // 20),
-                       eval_every=max(1, pre.steps // 5), eval_batches=4, adam_stats_every=None,
-                       autocast=contextlib.nullcontext(), device=torch.device("cpu"))
+        result = train(job, loop, run_log)
     run_log.finish({"status": result.status, "final_loss": result.final_loss,
                     "best_eval_loss": result.best_eval_loss, "steps_done": result.steps_done})
     if result.status != "completed":
@@ -180,18 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Build (or find) the base for the config these overrides compose, and print its directory."""
-    from hydra import compose, initialize_config_dir
-
-    from experiments.config import ConfigError, register_configs, to_object, validate
+    from experiments.config import ConfigError, compose, to_object, validate
 
     argv = build_parser().parse_args(argv).overrides
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s", stream=sys.stderr)
     from experiments.run import keep_freed_memory
 
     keep_freed_memory()
-    register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent.parent / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=argv)
+    cfg = compose(argv)
     try:
         validate(cfg, argv)
     except ConfigError as e:

@@ -7,7 +7,6 @@ Each job's folder (Hydra's output dir) gets metrics.jsonl, summary.json, run.log
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import logging
@@ -26,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import Config, refuse_unknown_keys, register_configs, to_object
+from experiments.config import refuse_unknown_keys, register_configs, to_object
 
 register_configs()
 log = logging.getLogger("gradscale")
@@ -43,61 +42,6 @@ class Terminated(BaseException):
 
 def _raise_terminated(signum, frame):
     raise Terminated(f"terminated by signal {signum}")
-
-
-def run(cfg: Config, run_log, overrides: list[str], run_dir: Path | None = None) -> dict[str, Any]:
-    """Build every component from its own config section, train, and return the summary fields.
-
-    run_dir: where checkpoints go (every cfg.checkpoint_every steps); a checkpoint there is resumed from."""
-    import torch
-
-    from experiments import checkpoint, data, model, optim, parallel, weights
-    from experiments.config import resolve_world_size
-    from experiments.grads import GradPipeline
-    from experiments.train import train
-
-    device = parallel.device_for(cfg.device)
-    world_size = resolve_world_size(cfg.world_size, overrides)
-    ranks = parallel.setup(cfg.dist.strategy, world_size, cfg.dist.timeout_s, device)
-    if device.type == "cuda":  # a sweep's jobs share the process: each reports its own peak
-        torch.cuda.reset_peak_memory_stats(device)
-    examples = data.load_examples(cfg.data)
-    source = weights.checkpoint_dir(cfg.model)  # fetched, converted or pretrained first when not cached
-    if source:
-        tokenizer = model.load_tokenizer(source)
-    else:
-        tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
-    batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
-    net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, device, source), cfg.finetune)
-    net = parallel.wrap(net, ranks)
-    if cfg.compile:
-        net = torch.compile(net)
-    optimizer = optim.build_optimizer(cfg.optimizer, [p for p in net.parameters() if p.requires_grad])
-    pipeline = GradPipeline(ranks.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm, cfg.normalization.name,
-                            cfg.grad_accum)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
-                else contextlib.nullcontext())
-    log.info("%s (%s) lr=%g scale=%g normalization=%s world_size=%d (%s) -> c_eff=%g on %s",
-             cfg.optimizer.name, cfg.finetune.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe_in_effect,
-             ranks.world_size, f"{cfg.dist.strategy} ranks" if ranks.real else "emulated", pipeline.effective_scale,
-             device)
-    checkpoint_every = cfg.checkpoint_every if run_dir is not None else None
-    start = checkpoint.load(run_dir, net, optimizer, ranks) if checkpoint_every else None
-    if run_log is not None:  # drop what a killed run logged after its checkpoint (all of it, without one)
-        run_log.rewind(start.next_step if start else 0)
-    result = train(
-        net, optimizer, batches, pipeline, run_log, ranks,
-        steps=cfg.steps, grad_accum=cfg.grad_accum, log_every=cfg.log_every,
-        eval_every=cfg.eval_every, eval_batches=cfg.eval_batches, adam_stats_every=cfg.adam_stats_every,
-        autocast=autocast, device=device, start=start, checkpoint_every=checkpoint_every, run_dir=run_dir,
-    )
-    if checkpoint_every:
-        checkpoint.remove(run_dir, ranks)
-    return {**vars(result), "resumed_from_step": start.next_step if start else None,
-            "effective_scale": pipeline.effective_scale, "device": str(device),
-            "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
-            "normalization": pipeline.recipe_in_effect,
-            "peak_cuda_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
 
 
 def share_cores(hydra_cfg) -> None:
@@ -163,21 +107,29 @@ def git_commit() -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
-@hydra.main(version_base="1.3", config_path=str(PROJECT_ROOT / "conf"), config_name="config")
-def main(cfg: DictConfig) -> str:
-    from experiments.metrics import RunLog, write_json_atomic
+def setup_process(hydra_cfg) -> bool:
+    """What the process needs before its first job; returns whether it is rank 0, the one that writes
+    metrics, summary and W&B (under torchrun; always, when the ranks are emulated)."""
     from experiments.parallel import adopt_slurm_tasks, env_rank
 
-    adopt_slurm_tasks()
+    adopt_slurm_tasks()  # srun's tasks as torchrun ranks
     keep_freed_memory()
-    share_cores(HydraConfig.get())
+    share_cores(hydra_cfg)
     signal.signal(signal.SIGTERM, _raise_terminated)
-    is_main = env_rank() == 0  # under torchrun only rank 0 writes metrics, summary and W&B
+    is_main = env_rank() == 0
     if not is_main:
         for handler in logging.getLogger().handlers:  # console: rank 0 speaks for all; files keep all
             if not isinstance(handler, logging.FileHandler):
                 handler.setLevel(logging.WARNING)
-    hydra_cfg = HydraConfig.get()
+    return is_main
+
+
+def run_folder_job(cfg: DictConfig, hydra_cfg, is_main: bool) -> str:
+    """One job in its folder: skipped when it finished before, else run (a killed run resumes from its
+    checkpoint); summary.json says how it ended, also when it failed. Returns the status."""
+    from experiments.job import run_job
+    from experiments.metrics import RunLog, write_json_atomic
+
     run_dir = Path(hydra_cfg.runtime.output_dir)
     overrides = list(hydra_cfg.overrides.task)
     run_cfg = to_object(cfg)
@@ -186,7 +138,8 @@ def main(cfg: DictConfig) -> str:
     summary: dict[str, Any] = {
         "status": "failed", "overrides": overrides, "optimizer": run_cfg.optimizer.name,
         "finetune": run_cfg.finetune.name, "lr": run_cfg.optimizer.lr, "scale": run_cfg.scale, "fix": run_cfg.fix,
-        "world_size": run_cfg.world_size, "seed": run_cfg.seed, "versions": versions(), "git_commit": git_commit(),
+        "normalization": run_cfg.normalization.name, "world_size": run_cfg.world_size, "seed": run_cfg.seed,
+        "versions": versions(), "git_commit": git_commit(),
     }
     previous = read_summary(run_dir)
     if previous.get("status") in ("completed", "diverged"):  # a re-run sweep: this job is done already
@@ -204,7 +157,7 @@ def main(cfg: DictConfig) -> str:
                 tags=[run_cfg.optimizer.name, f"scale={run_cfg.scale:g}", f"fix={run_cfg.fix}", *run_cfg.wandb.tags],
                 config=OmegaConf.to_container(cfg, resolve=True),
             )
-        summary.update(run(run_cfg, run_log, overrides, run_dir))
+        summary.update(run_job(run_cfg, run_log, overrides, run_dir))
     except Terminated as e:
         summary["error"] = str(e)
         raise
@@ -224,6 +177,12 @@ def main(cfg: DictConfig) -> str:
             write_json_atomic(run_dir / "summary.json", summary)
         log.info("%s: %s (%.1f s) -> %s", summary["status"], summary.get("final_loss"), summary["wall_s"], run_dir)
     return summary["status"]
+
+
+@hydra.main(version_base="1.3", config_path=str(PROJECT_ROOT / "conf"), config_name="config")
+def main(cfg: DictConfig) -> str:
+    hydra_cfg = HydraConfig.get()
+    return run_folder_job(cfg, hydra_cfg, setup_process(hydra_cfg))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.config import ConfigError, check_environment, validate
+from experiments.config import ConfigError, check_environment, override_key, validate
 
 
 class ValidateBeforeRun(Callback):
@@ -68,7 +68,7 @@ def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -
         return {}
 
     def result_overrides(overrides) -> tuple[str, ...]:
-        return tuple(o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] not in NON_RESULT_KEYS)
+        return tuple(o for o in overrides if override_key(o).split(".")[0] not in NON_RESULT_KEYS)
 
     wanted = {result_overrides(job): job for job in jobs}
     folders: dict[tuple[str, ...], Path] = {}

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
-from experiments import checkpoint
-from experiments.checkpoint import LoopState
+from experiments.checkpoint import Checkpointer, LoopState
 from experiments.data import Batches
 from experiments.grads import (
     GradPipeline,
@@ -26,7 +24,26 @@ from experiments.metrics import RunLog
 from experiments.optim import adam_state_stats, sqrt_v_quantiles
 from experiments.parallel import Ranks, local
 
+if TYPE_CHECKING:
+    from experiments.job import Job
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the loop takes from the run's config: how long, and how often to log, evaluate and record."""
+
+    steps: int
+    grad_accum: int = 1
+    log_every: int = 5
+    eval_every: int = 50
+    eval_batches: int = 4
+    adam_stats_every: int | None = 50  # sqrt(v_hat) quantiles and histograms -> adam_stats.jsonl; None: off
+
+    @classmethod
+    def of(cls, cfg) -> LoopConfig:
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -38,42 +55,37 @@ class TrainResult:
     diverged_at_step: int | None
     tokens_per_s: float
     clipped_steps: int  # steps whose gradient clipping scaled down (all steps, not only logged ones)
+    resumed_from_step: int | None  # the checkpoint's step this run went on from; None: from the start
 
 
-def train(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batches: Batches,
-    pipeline: GradPipeline,
-    run_log: RunLog | None,
-    ranks: Ranks,
-    *,
-    steps: int,
-    grad_accum: int,
-    log_every: int,
-    eval_every: int,
-    eval_batches: int,
-    adam_stats_every: int | None,
-    autocast: contextlib.AbstractContextManager,
-    device: torch.device,
-    start: LoopState | None = None,
-    checkpoint_every: int | None = None,
-    run_dir: Path | None = None,
-) -> TrainResult:
-    """start: where a resumed run stands (checkpoint.load); checkpoints go to run_dir every checkpoint_every."""
+def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
+          checkpointer: Checkpointer | None = None) -> TrainResult:
+    """Train job.model for loop.steps steps; resume from the checkpointer's checkpoint when it has one."""
+    model, optimizer, batches, pipeline, ranks = job.model, job.optimizer, job.batches, job.pipeline, job.ranks
+    autocast, device = job.autocast, job.device
+    resumed = checkpointer.resume(model, optimizer) if checkpointer else None
+    if run_log is not None:  # drop what a killed run logged after its checkpoint (all of it, without one)
+        run_log.rewind(resumed.next_step if resumed else 0)
+    start = resumed or LoopState()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     n_coords = sum(p.numel() for p in params)  # FSDP2: numel of a DTensor is the full size
     names = {p: n for n, p in model.named_parameters()}
-    start = start or LoopState()
     final_loss, best_eval, window_start, window_tokens = start.final_loss, start.best_eval, time.perf_counter(), 0
     clipped_steps = torch.tensor(start.clipped_steps, device=device)  # summed on device: no sync per step
     tokens_per_s = 0.0
+
+    def result(status: str, steps_done: int, diverged_at_step: int | None = None) -> TrainResult:
+        return TrainResult(status=status, steps_done=steps_done, final_loss=final_loss, best_eval_loss=best_eval,
+                           diverged_at_step=diverged_at_step, tokens_per_s=tokens_per_s,
+                           clipped_steps=int(clipped_steps), resumed_from_step=resumed.next_step if resumed else None)
+
+    steps = loop.steps
     for step in range(start.next_step, steps):
         inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
-        loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, grad_accum, autocast,
-                                                    device)
-        logging_step = step % log_every == 0 or step == steps - 1
+        loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, loop.grad_accum,
+                                                    autocast, device)
+        logging_step = step % loop.log_every == 0 or step == steps - 1
         grad_norm, clipped = pipeline.apply(params, num_tokens, ranks, measure=logging_step)
         clipped_steps += clipped
 
@@ -109,28 +121,26 @@ def train(
             final_loss = record["train/loss"]
             if not (math.isfinite(record["train/loss"]) and math.isfinite(record["train/grad_norm"])):
                 log.warning("non-finite loss or grad norm at step %d: run diverged", step)
-                return TrainResult("diverged", step + 1, final_loss, best_eval, step, tokens_per_s,
-                                   int(clipped_steps))
+                return result("diverged", step + 1, step)
 
-        if adam_stats_every and (step % adam_stats_every == 0 or step == steps - 1):
+        if loop.adam_stats_every and (step % loop.adam_stats_every == 0 or step == steps - 1):
             records = sqrt_v_quantiles(optimizer, names, step, ranks)  # every rank: histograms sum the shards
             if run_log is not None:
                 run_log.log_adam_stats(records)
 
-        if (step + 1) % eval_every == 0 or step == steps - 1:
-            eval_loss = evaluate(model, batches, eval_batches, autocast, device)
+        if (step + 1) % loop.eval_every == 0 or step == steps - 1:
+            eval_loss = evaluate(model, batches, loop.eval_batches, autocast, device)
             log_record(run_log, {"step": step, "eval/loss": eval_loss})
             log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
             if not math.isfinite(eval_loss):  # weights gone non-finite after the last logged step
                 log.warning("non-finite eval loss at step %d: run diverged", step)
-                return TrainResult("diverged", step + 1, final_loss, best_eval, step, tokens_per_s,
-                                   int(clipped_steps))
+                return result("diverged", step + 1, step)
             best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
 
-        if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+        if checkpointer and checkpointer.due(step, steps):
             state = LoopState(step + 1, final_loss, best_eval, int(clipped_steps))
-            checkpoint.save(run_dir, model, optimizer, state, ranks)  # every rank: gathers under torchrun
-    return TrainResult("completed", steps, final_loss, best_eval, None, tokens_per_s, int(clipped_steps))
+            checkpointer.save(model, optimizer, state)  # every rank: gathers under torchrun
+    return result("completed", steps)
 
 
 UPDATE_CHUNKS = 8  # a logged step copies 1/8 of the weights at a time (or one tensor, if larger)

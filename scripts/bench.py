@@ -40,7 +40,6 @@ Its last line: memory suite/bare=<ratio> suite=<bytes/parameter> bare=<bytes/par
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import functools
 import math
@@ -52,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import greenlet
@@ -63,17 +63,16 @@ sys.path.insert(0, str(ROOT))
 from experiments import run  # noqa: E402  (after the path: the script runs from anywhere)
 
 
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+def build(overrides: list[str]):
+    """The run's config and its job, built as a run builds them (experiments.job.build_job)."""
+    from experiments.config import check_environment, compose, to_object, validate
+    from experiments.job import build_job
 
-    from experiments.config import register_configs, to_object, validate
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=[*overrides, "wandb.mode=disabled"])
+    cfg = compose([*overrides, "wandb.mode=disabled"])
     validate(cfg, overrides=[])
-    return to_object(cfg)
+    check_environment(cfg)
+    run_cfg = to_object(cfg)
+    return run_cfg, build_job(run_cfg)
 
 
 def sync(device: torch.device) -> None:
@@ -137,14 +136,14 @@ class Interleaved:
             raise RuntimeError(f"a loop ended after {state['calls']} steps, not {self.warmup + self.steps}")
 
 
-def bare_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
+def bare_loop(job, cfg, steps: int) -> None:
     """Forward, token-mean loss, backward, step, zero_grad: nothing else."""
     from experiments.grads import token_loss_sum
 
-    autocast = autocast_for(cfg, device)
+    model, optimizer, device = job.model, job.optimizer, job.device
     for step in range(steps):
-        inputs, targets = (t.to(device) for t in batches.train_batch(step))
-        with autocast:
+        inputs, targets = (t.to(device) for t in job.batches.train_batch(step))
+        with job.autocast:
             logits = model(input_ids=inputs).logits
         loss = token_loss_sum(logits, targets) / (targets != -100).sum()
         loss.backward()
@@ -152,29 +151,28 @@ def bare_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def suite_loop(model, optimizer, batches, cfg, device, steps: int, log_every: int | None = None,
-               metrics: bool = True) -> None:
+def suite_loop(job, cfg, steps: int, log_every: int | None = None, metrics: bool = True) -> None:
     """experiments.train.train as a run calls it: metrics.jsonl, Adam statistics and checkpoints at the
     config's intervals (logged every cfg.log_every steps, or every `log_every`); metrics=False: none of
     them (only the warm-up and the last step log, outside the clock's interval)."""
-    from experiments.grads import GradPipeline
+    from experiments.checkpoint import Checkpointer
     from experiments.metrics import RunLog
-    from experiments.parallel import Ranks
-    from experiments.train import train
+    from experiments.train import LoopConfig, train
 
+    loop = replace(LoopConfig.of(cfg), steps=steps, log_every=(log_every or cfg.log_every) if metrics else steps,
+                   eval_every=steps, eval_batches=1, adam_stats_every=cfg.adam_stats_every if metrics else None)
     with tempfile.TemporaryDirectory() as tmp:
         run_log = RunLog(Path(tmp), cfg.wandb, name="bench", group=None, tags=[], config={}) if metrics else None
-        train(model, optimizer, batches, GradPipeline(cfg.world_size, cfg.fix, cfg.scale, cfg.clip_grad_norm),
-              run_log, Ranks(world_size=cfg.world_size), steps=steps, grad_accum=1,
-              log_every=(log_every or cfg.log_every) if metrics else steps, eval_every=steps, eval_batches=1,
-              adam_stats_every=cfg.adam_stats_every if metrics else None, autocast=autocast_for(cfg, device),
-              device=device, checkpoint_every=cfg.checkpoint_every if metrics else None, run_dir=Path(tmp))
+        checkpointer = Checkpointer(Path(tmp), cfg.checkpoint_every, job.ranks) if metrics and cfg.checkpoint_every \
+            else None
+        train(job, loop, run_log, checkpointer)
         if run_log is not None:
             run_log.finish({})
 
 
-def hf_trainer_loop(model, optimizer, batches, cfg, device, steps: int) -> None:
+def hf_trainer_loop(job, cfg, steps: int) -> None:
     """transformers.Trainer on the same batches and optimizer, logging and saving off."""
+    model, optimizer, batches, device = job.model, job.optimizer, job.batches, job.device
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     class EndOfStep(TrainerCallback):  # the Trainer zeroes the model's gradients, never the optimizer's
@@ -206,10 +204,6 @@ def median_interval(values: list[float], resamples: int = 2000, level: float = 0
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
     tail = (1 - level) / 2
     return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
-
-
-def autocast_for(cfg, device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16" else contextlib.nullcontext()
 
 
 def matmul_flops(device: torch.device, n: int = 1024, repeats: int = 10) -> float:
@@ -274,9 +268,9 @@ WARMUP = 5  # steps per loop before its clock starts: allocator, caches, the sui
 
 # --memory: parameters well above activations and logits (a few tokens per step), so the slope is the
 # loops' memory per parameter; every metric and statistic every step, and one checkpoint
-MEMORY_OVERRIDES = ["model.hidden_size=512", "model.intermediate_size=1408", "model.num_attention_heads=8",
-                    "model.num_key_value_heads=2", "model.head_dim=64", "batch_size=8", "seq_len=16",
-                    "data.packed=true", "adam_stats_every=1", "checkpoint_every=2"]
+MEMORY_OVERRIDES = ["model.init=random", "model.hidden_size=512", "model.intermediate_size=1408",
+                    "model.num_attention_heads=8", "model.num_key_value_heads=2", "model.head_dim=64", "batch_size=8",
+                    "seq_len=16", "data.packed=true", "adam_stats_every=1", "checkpoint_every=2"]
 MEMORY_LAYERS = (2, 6)
 MEMORY_STEPS = 4  # the Adam state exists from the first step on; the checkpoint after the second
 MEMORY_LOOPS = {"bare": bare_loop, "suite, logged every step": functools.partial(suite_loop, log_every=1),
@@ -285,31 +279,22 @@ MEMORY_LOOPS = {"bare": bare_loop, "suite, logged every step": functools.partial
 
 def with_overrides(defaults: list[str], overrides: list[str]) -> list[str]:
     """defaults, each replaced by an override of the same key (Hydra refuses a key given twice)."""
-    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    return [d for d in defaults if d.split("=", 1)[0] not in keys] + overrides
+    from experiments.config import override_key
+
+    keys = {override_key(o) for o in overrides}
+    return [d for d in defaults if override_key(d) not in keys] + overrides
 
 
 def memory_probe(loop: str, overrides: list[str]) -> tuple[int, int]:
     """In this process: (peak bytes, parameters) of MEMORY_STEPS steps of `loop`."""
-    from experiments import data, model, parallel
-    from experiments.optim import build_optimizer
-
     run.keep_freed_memory()
-    cfg = compose(overrides)
-    device = parallel.device_for(cfg.device)
-    examples = data.load_examples(cfg.data)
-    tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
-    batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    run_model = model.build_model(cfg.model, cfg.seed, device)
-    optimizer = build_optimizer(cfg.optimizer, list(run_model.parameters()))
-    MEMORY_LOOPS[loop](run_model, optimizer, batches, cfg, device, MEMORY_STEPS)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
+    cfg, job = build(overrides)  # resets the CUDA peak first
+    MEMORY_LOOPS[loop](job, cfg, MEMORY_STEPS)
+    if job.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(job.device)
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return peak, sum(p.numel() for p in run_model.parameters())
+    return peak, sum(p.numel() for p in job.model.parameters())
 
 
 def memory(overrides: list[str], repeats: int) -> tuple[dict[str, dict[int, float]], dict[int, int]]:
@@ -383,17 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         print_memory(*memory(args.overrides, args.memory))
         return 0
 
-    from experiments import data, model, parallel
     from experiments.optim import build_optimizer
 
     run.keep_freed_memory()  # as every suite job does, so every loop here runs with it
 
-    cfg = compose(args.overrides)
-    device = parallel.device_for(cfg.device)
-    examples = data.load_examples(cfg.data)
-    tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
-    batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
-    base = model.build_model(cfg.model, cfg.seed, device)
+    cfg, job = build(args.overrides)
+    device, base = job.device, job.model
     n_params = sum(p.numel() for p in base.parameters())
     tokens_per_step = cfg.batch_size * cfg.seq_len
     print(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, {device}, "
@@ -415,9 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         interleaved = Interleaved(WARMUP, args.steps, cfg.log_every, device)
         for name in order:
             run_model = copy.deepcopy(base)
-            optimizer = build_optimizer(cfg.optimizer, list(run_model.parameters()))  # the suite's AdamW
-            interleaved.add(name, functools.partial(loops[name], run_model, optimizer, batches, cfg, device,
-                                                    WARMUP + args.steps), optimizer)
+            optimizer = build_optimizer(cfg.optimizer, [p for p in run_model.parameters() if p.requires_grad])
+            loop_job = replace(job, model=run_model, optimizer=optimizer)  # the same batches and pipeline
+            interleaved.add(name, functools.partial(loops[name], loop_job, cfg, WARMUP + args.steps), optimizer)
         for name, seconds in interleaved.run().items():
             step_s[name].append(seconds)
         print(f"repeat {repeat + 1}/{args.repeats}: " + ", ".join(

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from experiments.config import CONF_DIR, compose  # noqa: F401  (tests import compose from here)
+
 ROOT = Path(__file__).resolve().parent.parent
-CONF = ROOT / "conf"
+CONF = Path(CONF_DIR)
 
 OFFLINE_ENV = {
     "WANDB_MODE": "disabled",
@@ -27,7 +29,7 @@ os.environ.update(OFFLINE_ENV)
 
 # small enough for a run to take well under a second after start-up
 TINY = [
-    "model.init=random",  # the pretrained base has tests of its own (test_pretrained.py)
+    "model.init=random",  # the pretrained base has tests of its own (test_weights.py)
     "steps=4", "batch_size=8", "seq_len=64", "log_every=1", "eval_every=2", "eval_batches=1", "wandb.mode=disabled",
 ]
 
@@ -39,31 +41,16 @@ def cache_dir(tmp_path_factory) -> Path:
     return path
 
 
-def compose(overrides: list[str], with_hydra: bool = False):
-    """The composed DictConfig for these overrides, exactly as the CLI would build it (the hydra node,
-    launcher and sweeper included, only when asked)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from experiments.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
-
-
 def run_in_process(run_dir: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
-    """Validate, build and train as `experiments.run` does; returns (result, metrics records)."""
-    from experiments.config import to_object, validate
+    """Build, check and train as `experiments.run` does (experiments.job.run_job); returns (result, metrics)."""
+    from experiments.config import to_object
+    from experiments.job import run_job
     from experiments.metrics import RunLog
-    from experiments.run import run
 
-    cfg = compose([*TINY, *overrides])
-    validate(cfg)
-    run_cfg = to_object(cfg)
+    run_cfg = to_object(compose([*TINY, *overrides]))
     run_dir.mkdir(parents=True, exist_ok=True)
     run_log = RunLog(run_dir, run_cfg.wandb, name="test", group=None, tags=[], config={})
-    result = run(run_cfg, run_log, overrides)
+    result = run_job(run_cfg, run_log, overrides)
     run_log.finish(result)
     return result, read_metrics(run_dir)
 

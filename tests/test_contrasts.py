@@ -4,43 +4,37 @@ suite refuses AdamW at eps = 0, and LoRA: only the adapters train, through the s
 
 from __future__ import annotations
 
-import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
 
-from experiments import data, model, optim
+from experiments import model, optim
 from experiments.config import ConfigError, to_object, validate
-from experiments.grads import GradPipeline
-from experiments.parallel import Ranks
-from experiments.train import train
+from experiments.job import build_batches, build_job
+from experiments.train import LoopConfig, train
 from tests.conftest import compose
 
 STEPS = 4
+# the random init (no pretrained base to build), STEPS steps, every step logged, no statistics
+LOOP = ["model.init=random", "batch_size=8", "seq_len=64", f"steps={STEPS}", "log_every=1", f"eval_every={STEPS}",
+        "eval_batches=1", "adam_stats_every=null"]
 
 
 @pytest.fixture(scope="module")
 def batches(cache_dir):
-    cfg = to_object(compose(["batch_size=8", "seq_len=64"]))
-    examples = data.load_examples(cfg.data)
-    tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
-    return data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
+    return build_batches(config([]))
 
 
 def config(overrides: list[str]):
-    return to_object(compose(["batch_size=8", "seq_len=64", *overrides]))
+    return to_object(compose([*LOOP, *overrides]))
 
 
 def trajectory(batches, cfg, scale: float) -> tuple[torch.nn.Module, float]:
     """STEPS steps of the suite's own loop at this scale; returns the trained model and its final loss."""
-    net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, torch.device("cpu")), cfg.finetune)
-    params = [p for p in net.parameters() if p.requires_grad]
-    optimizer = optim.build_optimizer(cfg.optimizer, params)
-    result = train(net, optimizer, batches, GradPipeline(cfg.world_size, cfg.fix, scale), None,
-                   Ranks(world_size=cfg.world_size), steps=STEPS, grad_accum=1, log_every=1, eval_every=STEPS,
-                   eval_batches=1, adam_stats_every=None, autocast=contextlib.nullcontext(),
-                   device=torch.device("cpu"))
-    return net, result.final_loss
+    job = build_job(replace(cfg, scale=scale), batches=batches)
+    result = train(job, LoopConfig.of(cfg))
+    return job.model, result.final_loss
 
 
 def identical(a: torch.nn.Module, b: torch.nn.Module) -> bool:

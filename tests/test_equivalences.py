@@ -63,14 +63,11 @@ def test_batches_are_identical_across_optimizers_scales_and_world_sizes(tmp_path
 
 
 def test_batch_order_is_a_pure_function_of_seed_and_step(cache_dir):
-    from experiments import data
     from experiments.config import to_object
+    from experiments.job import build_batches
 
     def batches(seed: int, world_size: int):
-        cfg = to_object(compose([f"seed={seed}", f"world_size={world_size}"]))
-        examples = data.load_examples(cfg.data)
-        tok = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
-        return data.build_batches(examples, cfg.data, tok, cfg.seq_len, cfg.batch_size, cfg.seed)
+        return build_batches(to_object(compose([f"seed={seed}", f"world_size={world_size}"])))
 
     a, b, other_seed = batches(0, 8), batches(0, 1), batches(1, 8)
     n_steps = 3 * len(a.train) // a.batch_size  # crosses epoch boundaries

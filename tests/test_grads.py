@@ -6,19 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.config import normalization_in_effect
 from experiments.grads import GradPipeline, count_trained_tokens, token_loss_sum, total_norm
 from tests.conftest import compose
 
 
 @pytest.fixture(scope="module", params=["full", "lora"])
 def model_and_batch(cache_dir, request):
-    from experiments import data, model
+    from experiments import model
     from experiments.config import to_object
+    from experiments.job import build_batches
 
     cfg = to_object(compose(["batch_size=16", "seq_len=64", f"finetune={request.param}"]))
-    examples = data.load_examples(cfg.data)
-    tokenizer = data.build_tokenizer(examples, cfg.data.tokenizer_vocab_size, cfg.data.cache_dir)
-    batches = data.build_batches(examples, cfg.data, tokenizer, cfg.seq_len, cfg.batch_size, cfg.seed)
+    batches = build_batches(cfg)
     net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, torch.device("cpu")), cfg.finetune)
     if request.param == "lora":  # B = 0 at init leaves A without gradient: one step of B makes both non-zero
         torch.nn.init.normal_(next(p for n, p in net.named_parameters() if "lora_B" in n), std=0.02)
@@ -52,15 +52,16 @@ def assert_grads_close(actual, expected, rtol=1e-5):
 
 def test_no_fix_is_exactly_one_over_world_size(model_and_batch):
     net, (inputs, targets) = model_and_batch
-    fixed = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, fix=True, scale=1.0))
-    unfixed = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, fix=False, scale=1.0))
+    fixed = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, scale=1.0))
+    unfixed = pipeline_grads(net, inputs, targets,
+                             GradPipeline(world_size=8, scale=1.0, recipe="global_tokens_no_world_fix"))
     assert_grads_close(unfixed, [g / 8 for g in fixed], rtol=1e-6)
     assert total_norm(unfixed) / total_norm(fixed) == pytest.approx(1 / 8, rel=1e-6)
 
 
 def test_fixed_gradient_is_the_token_mean_gradient(model_and_batch):
     net, (inputs, targets) = model_and_batch
-    fixed = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, fix=True, scale=1.0))
+    fixed = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, scale=1.0))
     net.zero_grad(set_to_none=True)
     mean_loss = torch.nn.functional.cross_entropy(net(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
     mean_loss.backward()
@@ -77,7 +78,8 @@ def test_emulated_ranks_match_real_per_rank_averaging(model_and_batch, fix):
     averaged = [torch.stack(rank_grads).mean(0) for rank_grads in zip(*per_rank)]  # all-reduce AVG
     factor = (world_size if fix else 1) / count_trained_tokens(targets)
     expected = [g * factor for g in averaged]
-    emulated = pipeline_grads(net, inputs, targets, GradPipeline(world_size=world_size, fix=fix, scale=1.0))
+    pipeline = GradPipeline(world_size, scale=1.0, recipe=normalization_in_effect(fix, "global_tokens"))
+    emulated = pipeline_grads(net, inputs, targets, pipeline)
     assert_grads_close(emulated, expected)
 
 
@@ -86,9 +88,9 @@ def test_scale_multiplies_the_grad_norm(model_and_batch, scale):
     net, (inputs, targets) = model_and_batch
     params = trainable(net)
     summed_grads(net, inputs, targets)
-    norm_1, _ = GradPipeline(world_size=8, fix=True, scale=1.0).apply(params, count_trained_tokens(targets))
+    norm_1, _ = GradPipeline(world_size=8, scale=1.0).apply(params, count_trained_tokens(targets))
     summed_grads(net, inputs, targets)
-    norm_c, _ = GradPipeline(world_size=8, fix=True, scale=scale).apply(params, count_trained_tokens(targets))
+    norm_c, _ = GradPipeline(world_size=8, scale=scale).apply(params, count_trained_tokens(targets))
     assert (norm_c / norm_1).item() == pytest.approx(scale, rel=1e-5)  # fp32 norms of rounded products
 
 
@@ -96,11 +98,11 @@ def test_clipping_reports_pre_clip_norm_and_caps_the_gradient(model_and_batch):
     net, (inputs, targets) = model_and_batch
     params = trainable(net)
     summed_grads(net, inputs, targets)
-    norm, clipped = GradPipeline(8, True, scale=100.0, clip_grad_norm=0.5).apply(params, count_trained_tokens(targets))
+    norm, clipped = GradPipeline(8, scale=100.0, clip_grad_norm=0.5).apply(params, count_trained_tokens(targets))
     assert bool(clipped) and norm.item() > 0.5
     assert total_norm([p.grad for p in params]).item() == pytest.approx(0.5, rel=1e-4)
     summed_grads(net, inputs, targets)
-    _, clipped = GradPipeline(8, True, scale=1e-6, clip_grad_norm=0.5).apply(params, count_trained_tokens(targets))
+    _, clipped = GradPipeline(8, scale=1e-6, clip_grad_norm=0.5).apply(params, count_trained_tokens(targets))
     assert not bool(clipped)
 
 
@@ -108,11 +110,11 @@ def test_unlogged_steps_skip_the_norm_unless_clipping_needs_it(model_and_batch):
     net, (inputs, targets) = model_and_batch
     params = trainable(net)
     summed_grads(net, inputs, targets)
-    expected = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, fix=True, scale=3.0))
+    expected = pipeline_grads(net, inputs, targets, GradPipeline(world_size=8, scale=3.0))
     summed_grads(net, inputs, targets)
-    assert GradPipeline(8, True, scale=3.0).apply(params, count_trained_tokens(targets), measure=False) == (None, False)
+    assert GradPipeline(8, scale=3.0).apply(params, count_trained_tokens(targets), measure=False) == (None, False)
     assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))  # scaled all the same
     summed_grads(net, inputs, targets)
-    norm, clipped = GradPipeline(8, True, scale=3.0, clip_grad_norm=1e-3).apply(
+    norm, clipped = GradPipeline(8, scale=3.0, clip_grad_norm=1e-3).apply(
         params, count_trained_tokens(targets), measure=False)
     assert bool(clipped) and norm.item() > 1e-3  # clipping needs the norm on every step

@@ -23,7 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
 
-from experiments.config import ConfigError, check_environment, validate
+from experiments.config import ConfigError, check_environment, override_key, validate
 from experiments.sweep import (
     check_same_sweep,
     check_writable,
@@ -53,8 +53,8 @@ class GradscaleSweeper(BasicSweeper):
         fixed = [f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in overrides
                  if not o.is_sweep_override()]
         for entry in self.include:
-            keys = {_key(o) for o in entry}
-            grid.append([o for o in fixed if _key(o) not in keys] + entry)
+            keys = {override_key(o) for o in entry}
+            grid.append([o for o in fixed if override_key(o) not in keys] + entry)
         return grid
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
@@ -126,6 +126,3 @@ class GradscaleSweeper(BasicSweeper):
             sys.exit(1)
         return returns
 
-
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
