@@ -66,9 +66,9 @@ def keep_freed_memory() -> bool:
     """Keep freed CPU memory in the process instead of handing it back to the OS.
 
     glibc returns large freed blocks (munmap, heap trimming), so each step page-faults its activations,
-    logits and gradients in again: the default CPU run spent 16.3 s of CPU time in the kernel for 7.9M
-    page faults, and took twice as long (docs/performance.md). No mmap'd chunks and no trimming keep
-    that memory for the next step, as PyTorch's caching allocator does on GPUs. Linux with glibc only,
+    logits and gradients in again, in the kernel (docs/performance.md has the measurement). No mmap'd
+    chunks and no trimming keep that memory for the next step, as PyTorch's caching allocator does on
+    GPUs. Linux with glibc only,
     and not when the user set glibc's malloc variables; returns whether it applied."""
     if not sys.platform.startswith("linux") or any(name in os.environ for name in GLIBC_MALLOC_ENV):
         return False
