@@ -1,11 +1,12 @@
-# make sweep: the default sweep (4 fine-tunes) on this machine.   make test: ruff + pytest.
+# make sweep: the default sweep (4 fine-tunes) on this machine.   make test: ruff + the whole pytest suite.
+# make test-fast: ruff + the tests not marked slow, distributed or gpu (the edit loop).
 # Both create .venv if missing and install the project into it (editable, with the dev extra).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SWEEP_ARGS ?=
 
-.PHONY: sweep test install clean
+.PHONY: sweep test test-fast install clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +29,10 @@ sweep: install
 test: install
 	$(VENV)/bin/ruff check .
 	WANDB_MODE=disabled $(PY) -m pytest
+
+test-fast: install
+	$(VENV)/bin/ruff check .
+	WANDB_MODE=disabled $(PY) -m pytest -m "not slow and not distributed and not gpu"
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache

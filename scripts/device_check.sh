@@ -75,11 +75,11 @@ for summary_file in sorted(Path(sys.argv[1]).glob("*/*/summary.json")):
                   if '"train/grad_norm"' in line), {})
     peak = s.get("peak_cuda_memory_gib")
     job = f"{summary_file.parent.parent.name}/{summary_file.parent.name.split('_')[0]}"
-    print(f"{job} {s.get('optimizer')}: {s['status']}, c_eff {s.get('effective_scale')}, "
+    print(f"{job} {s.get('optimizer')}: {s['status']}, c_eff {s.get('c_eff')}, "
           f"step-0 grad norm {first.get('train/grad_norm', float('nan')):.6g}, final loss {s.get('final_loss')}, "
           f"{s.get('wall_s', 0):.1f} s, peak {'-' if peak is None else f'{peak:.2f} GiB'}")
     norms.setdefault((summary_file.parent.parent.name, s.get("optimizer")), {})[
-        s["effective_scale"]] = (first.get("train/grad_norm"), s.get("final_loss"))
+        s["c_eff"]] = (first.get("train/grad_norm"), s.get("final_loss"))
 for (study, optimizer), runs in sorted(norms.items()):
     if {1.0, 0.125} <= set(runs) and None not in runs[1.0] + runs[0.125]:
         (on, on_loss), (off, off_loss) = runs[1.0], runs[0.125]

@@ -152,7 +152,7 @@ def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
     records = read_jsonl(tmp_path / "ref" / "adam_stats.jsonl")
     assert sorted({r["step"] for r in records}) == [0, 1, 2]  # histograms on every step
     summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
-    assert summary["effective_scale"] == 1 and summary["steps_done"] == 3
+    assert summary["c_eff"] == 1 and summary["steps_done"] == 3
     refused = subprocess.run([*command[:3], "scale=8"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "scale=8 is not allowed" in refused.stderr
     assert np.isfinite(summary["final_loss"])

@@ -60,3 +60,44 @@ def test_unwritable_output_folder_is_refused(cli, tmp_path, mode):
     expected = f"error: {key}={str(target)!r} cannot be written: {blocker} is not a folder"
     assert proc.stderr.strip().splitlines() == [expected]
     assert blocker.read_text() == "not a folder"
+
+
+def test_a_python_caller_of_run_job_gets_the_same_checks(tmp_path):
+    """The checks live where a job starts, not only in the command line's callback and sweeper."""
+    from experiments.config import ConfigError, to_object
+    from experiments.job import run_job
+    from tests.conftest import TINY, compose
+
+    with pytest.raises(ConfigError, match=r"^error: optimizer.lr=-1.0 is not allowed: must be a finite number > 0$"):
+        run_job(to_object(compose([*TINY, "optimizer.lr=-1"])), None)
+    missing = tmp_path / "none.jsonl"
+    with pytest.raises(ConfigError, match="must be an existing JSONL file"):
+        run_job(to_object(compose([*TINY, "data=jsonl", f"data.path={missing}"])), None)
+
+
+def test_each_data_file_is_read_once_while_it_stays_the_same(tmp_path, monkeypatch):
+    """A sweep checks every job's config; the JSONL file all of them name is read once, and again once it
+    changes."""
+    import functools
+
+    from experiments import config
+    from tests.conftest import TINY, compose
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(GOOD * 3)
+    reads = []
+    probe = config.jsonl_problem
+
+    @functools.wraps(probe)
+    def counted(*args):
+        reads.append(args[0])
+        return probe(*args)
+
+    monkeypatch.setattr(config, "jsonl_problem", counted)
+    for scale in (1, 2, 8):
+        config.validate(compose([*TINY, "data=jsonl", f"data.path={path}", f"scale={scale}"]), overrides=[])
+    assert reads == [str(path)]
+    path.write_text(GOOD * 3 + "not json\n")
+    with pytest.raises(config.ConfigError, match="line 4 is not JSON"):
+        config.validate(compose([*TINY, "data=jsonl", f"data.path={path}"]), overrides=[])
+    assert len(reads) == 2

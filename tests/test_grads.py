@@ -118,3 +118,19 @@ def test_unlogged_steps_skip_the_norm_unless_clipping_needs_it(model_and_batch):
     norm, clipped = GradPipeline(8, scale=3.0, clip_grad_norm=1e-3).apply(
         params, count_trained_tokens(targets), measure=False)
     assert bool(clipped) and norm.item() > 1e-3  # clipping needs the norm on every step
+
+
+def test_fix_is_resolved_into_the_normalization_once():
+    """fix=false is the short switch for the pre-fix recipe: resolved when the config becomes dataclasses,
+    so the pipeline, summary.json and the analysis see one recipe and one c_eff."""
+    from experiments.config import c_eff, to_object
+    from experiments.job import build_pipeline
+
+    for overrides, recipe in ([[], "global_tokens"], [["fix=false"], "global_tokens_no_world_fix"],
+                              [["normalization=global_tokens_no_world_fix"], "global_tokens_no_world_fix"],
+                              [["normalization=local_mean"], "local_mean"]):
+        cfg = to_object(compose(["scale=4", "world_size=8", *overrides]))
+        assert cfg.normalization.name == recipe
+        pipeline = build_pipeline(cfg, cfg.world_size)
+        assert pipeline.recipe == recipe
+        assert pipeline.c_eff == c_eff(4.0, recipe, 8) == (0.5 if recipe == "global_tokens_no_world_fix" else 4.0)
