@@ -27,7 +27,8 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from analysis.load import curve, pair_references, read_jsonl, short_number
+from analysis.load import curve, read_jsonl, short_number
+from analysis.tables import pair_references
 from analysis.theory import tensor_group
 from experiments.optim import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
 from experiments.sweep import render_table

@@ -1,6 +1,7 @@
 """Sweep folders (or single run folders) -> pandas tables. Reads only the files runs write.
 
-runs table: one row per run, its config flattened into columns, and what summary.json says
+runs table: one row per run, its config flattened into columns, and what summary.json says (among it the
+  normalization in effect and c_eff, as the run trained with them)
 curves table: long form (run, step, metric, value), from metrics.jsonl
 """
 
@@ -14,14 +15,14 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from analysis.theory import effective_multiplier
+from experiments.config import c_eff, normalization_in_effect
 from experiments.sweep import job_dirs, job_overrides
 
 log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ("run", "optimizer", "finetune", "model", "lr", "eps", "weight_decay", "scale", "fix", "world_size",
                "clip", "precision", "normalization", "seed", "steps", "status", "final_loss", "best_eval_loss",
-               "diverged_at_step", "steps_done", "clipped_steps", "path")
+               "diverged_at_step", "steps_done", "clipped_steps", "path", "c_eff")
 
 
 def run_dirs(paths: list[str | Path]) -> list[Path]:
@@ -61,6 +62,11 @@ def _run_row(run_dir: Path, name: str) -> dict:
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {"status": "interrupted"}
     opt = cfg.optimizer
+    world_size = int(summary.get("world_size", cfg.world_size))
+    # what the run trained with; a folder from a run that never started falls back on the config's rule
+    normalization = summary.get("normalization") or normalization_in_effect(
+        bool(cfg.fix), OmegaConf.select(cfg, "normalization.name", default="global_tokens"))
+    multiplier = summary.get("c_eff", summary.get("effective_scale"))  # effective_scale: before the rename
     return {
         "run": name,
         "optimizer": opt.name,
@@ -71,10 +77,11 @@ def _run_row(run_dir: Path, name: str) -> dict:
         "weight_decay": float(opt.weight_decay),
         "scale": float(cfg.scale),
         "fix": bool(cfg.fix),
-        "world_size": int(summary.get("world_size", cfg.world_size)),
+        "world_size": world_size,
         "clip": cfg.clip_grad_norm,
         "precision": cfg.precision,
-        "normalization": OmegaConf.select(cfg, "normalization.name", default="global_tokens"),  # as configured
+        "normalization": normalization,
+        "c_eff": float(multiplier) if multiplier is not None else c_eff(float(cfg.scale), normalization, world_size),
         "seed": int(cfg.seed),
         "steps": int(cfg.steps),
         "status": summary["status"],
@@ -138,11 +145,6 @@ def load(paths: list[str | Path] | str | Path) -> tuple[pd.DataFrame, pd.DataFra
                 if metric != "step":
                     curves.append((name, step, metric, float(value)))  # "nan"/"inf" strings parse too
     runs = pd.DataFrame(rows, columns=list(RUN_COLUMNS))
-    # the world-size factor is missing when fix is off or the recipe is the pre-fix one
-    runs["c_eff"] = [
-        effective_multiplier(r.scale, r.fix and r.normalization != "global_tokens_no_world_fix", r.world_size)
-        for r in runs.itertuples()
-    ]
     runs["setup"] = setup_labels(runs)
     return runs, pd.DataFrame(curves, columns=["run", "step", "metric", "value"])
 
@@ -185,48 +187,3 @@ def curve(curves: pd.DataFrame, run: str, metric: str) -> pd.Series:
     """One run's metric as a Series indexed by step."""
     rows = curves[(curves.run == run) & (curves.metric == metric)]
     return pd.Series(rows.value.to_numpy(), index=rows.step.to_numpy(), name=run)
-
-
-# Columns that make two runs "the same experiment" apart from the studied factor.
-PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
-                "normalization", "seed", "steps")
-
-
-def pair_references(runs: pd.DataFrame) -> pd.Series:
-    """For each run, the run identical in everything but scale and fix, at scale 1 with the fix on
-    (None where the sweep has no such run). Indexed like `runs`, values are run names."""
-    keys = list(PAIRING_KEYS)
-    references = runs[(runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens")]
-    lookup = {tuple(_key(r[k]) for k in keys): r["run"] for _, r in references.iterrows()}
-    found = [lookup.get(tuple(_key(r[k]) for k in keys)) for _, r in runs.assign(
-        normalization=runs.normalization.replace("global_tokens_no_world_fix", "global_tokens")).iterrows()]
-    return pd.Series(found, index=runs.index, dtype=object)  # object: None stays None
-
-
-def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
-    """Pairs that the theory says train identically (docs/design.md physics 2-3), with c_eff != 1 on one side:
-    SGD(lr, c) == SGD(lr*c, 1) without weight decay, AdamW(c, eps) == AdamW(1, eps/c); neither with
-    clipping. Columns: run, equivalent (the c_eff = 1 run), rule."""
-    keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]
-    unit = runs[np.isclose(runs.c_eff, 1.0)]
-    rows = []
-    for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna() & (runs.weight_decay == 0)].itertuples():
-        if r.optimizer == "sgd":
-            match = np.isclose(unit.lr, r.lr * r.c_eff, rtol=1e-6, atol=0) & unit.eps.isna()
-            rule = (f"SGD(lr={short_number(r.lr)}, c={short_number(r.c_eff)}) == "
-                    f"SGD(lr={short_number(r.lr * r.c_eff)}, c=1)")
-        elif r.optimizer == "adamw":
-            match = np.isclose(unit.eps, r.eps / r.c_eff, rtol=1e-6, atol=0) & (unit.lr == r.lr)
-            rule = (f"AdamW(c={short_number(r.c_eff)}, eps={short_number(r.eps)}) == "
-                    f"AdamW(c=1, eps={short_number(r.eps / r.c_eff)})")
-        else:
-            continue
-        mine = {k: _key(getattr(r, k)) for k in keys}
-        same = np.logical_and.reduce([[_key(v) == mine[k] for v in unit[k]] for k in keys])
-        for equivalent in unit[match & same].run:
-            rows.append({"run": r.run, "equivalent": equivalent, "rule": rule})
-    return pd.DataFrame(rows, columns=["run", "equivalent", "rule"])
-
-
-def _key(value):
-    return "nan" if isinstance(value, float) and value != value else value  # NaN eps (SGD) pairs with itself

@@ -1,4 +1,4 @@
-"""Pure plotting functions: tables from analysis.load in, a matplotlib Figure out.
+"""Pure plotting functions: tables from analysis.load and analysis.tables in, a matplotlib Figure out.
 
 What every figure does, so that a reader can compare at a glance:
 - panels that compare setups share their y-axis, so sizes compare across panels;
@@ -18,7 +18,8 @@ from matplotlib import ticker
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from analysis.load import curve, pair_references, short_number
+from analysis.load import curve, short_number
+from analysis.tables import max_divergence, one_percent_thresholds, pair_references
 from analysis.theory import clipped_share as predicted_clipped_share
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
@@ -272,34 +273,6 @@ def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
             plot.axes[r.setup].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8, gid="predicted")
     predicted = Line2D([], [], color="0.3", ls=":", lw=0.8, label="dotted: c_eff (predicted ratio)")
     return plot.finish("step", "ratio", extra_handles=[predicted])
-
-
-def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
-    """Per run, max over steps of |loss - loss(reference)| (NaN without a reference, inf when it diverged)."""
-    references = pair_references(runs)
-    out = {}
-    for i, r in zip(runs.index, runs.itertuples()):
-        if references[i] is None or references[i] == r.run:
-            out[r.run] = np.nan if references[i] is None else 0.0
-            continue
-        mine = curve(curves, r.run, "train/loss")
-        delta = (mine - curve(curves, references[i], "train/loss")).abs()
-        diverged = r.status == "diverged" or not np.isfinite(mine.to_numpy()).all()
-        out[r.run] = np.inf if diverged else float(delta.max()) if len(delta.dropna()) else np.nan
-    return pd.Series(out)
-
-
-def one_percent_thresholds(runs: pd.DataFrame) -> dict[tuple[str, float], float]:
-    """Per (setup, lr) with a reference: 1% of the reference's final loss, the threshold report.md's
-    breakdown table judges by."""
-    references = pair_references(runs)
-    final = runs.set_index("run").final_loss
-    out = {}
-    for i, r in zip(runs.index, runs.itertuples()):
-        loss = final.get(references[i]) if references[i] is not None else None
-        if loss is not None and not pd.isna(loss):
-            out.setdefault((r.setup, r.lr), 0.01 * abs(float(loss)))
-    return out
 
 
 def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None,

@@ -14,146 +14,22 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from analysis import plots
 from analysis.advise import advisor_summary, advisor_vs_measured, predicted_onsets
-from analysis.load import curve, equivalent_references, load, pair_references, read_jsonl, short_number
-from analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group
+from analysis.load import load, short_number
+from analysis.tables import (
+    eps_share_table,
+    equivalence_table,
+    measured_bands,
+    pair_references,
+    summary_table,
+    theory_table,
+)
 
 log = logging.getLogger(__name__)
 DPI = 200
-
-
-def measured_bands(runs: pd.DataFrame, curves: pd.DataFrame) -> dict[str, tuple[float, float]]:
-    """Per setup, the band of c_eff where the theory predicts the breakdown, from its reference run.
-
-    Adam-type setups (eps): (eps/s_q10, eps/s_q90) from the reference's sqrt(v_hat) quantiles: at each
-    recorded step the numel-weighted medians over tensors of each tensor's q10 and q90 give a band; the
-    result spans them all (early in training s is smaller, so the breakdown starts at larger c).
-    Clipped setups: theory.clipping_band of the reference's logged grad norms (the two bands are drawn
-    apart: a clipped Adam setup gets the clipping band, which sits decades higher)."""
-    bands = {}
-    references = runs[(runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens")]
-    for r in references.itertuples():
-        if r.setup in bands:
-            continue
-        if r.clip is not None and not pd.isna(r.clip):
-            norms = curve(curves, r.run, "train/grad_norm").to_numpy()
-            if len(norms):
-                bands[r.setup] = clipping_band(norms, float(r.clip))
-            continue
-        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl")) if not pd.isna(r.eps) else pd.DataFrame()
-        if stats.empty:
-            continue
-        medians = [{q: _weighted_median(g[q].to_numpy(), g.numel.to_numpy()) for q in ("q10", "q90")}
-                   for _, g in stats.groupby("step")]
-        # s = 0: most coordinates have had no gradient yet (LoRA's A at step 0); no finite c* to draw
-        per_step = [breakdown_band(m, r.eps) for m in medians if min(m.values()) > 0]
-        if per_step:
-            bands[r.setup] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
-    return bands
-
-
-GROUP_MULTIPLIERS = (1.0, 1 / 8, 1 / 64, 1 / 1024)  # c = 1, and the bug at world size 8, 64, 1024
-
-
-def eps_share_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per Adam-type reference run and tensor group, the share of coordinates with c * s < eps at the run's
-    last recorded step, for c = 1 and the world-size bug at N = 8, 64, 1024 (interpolated from each
-    tensor's measured sqrt(v_hat) quantiles: theory.share_below; 1% and 99% are bounds)."""
-    rows = []
-    references = runs[(runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens") & ~runs.eps.isna()]
-    for r in references.drop_duplicates("setup").itertuples():
-        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
-        if stats.empty:
-            continue
-        last = stats[stats.step == stats.step.max()]
-        last = last.assign(group=last.tensor.map(tensor_group))
-        for group, tensors in last.groupby("group"):
-            row = {"setup": r.setup, "model": r.model, "step": int(last.step.iloc[0]), "group": group,
-                   "coordinates": int(tensors.numel.sum())}
-            for c in GROUP_MULTIPLIERS:
-                shares = [share_below(t._asdict(), r.eps / c) for t in tensors.itertuples()]
-                row[f"c={_short_c(c)}"] = float(np.average(shares, weights=tensors.numel))
-            rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def _short_c(c: float) -> str:
-    return "1" if c == 1 else f"1/{round(1 / c)}"
-
-
-def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
-    order = np.argsort(values)
-    cumulative = np.cumsum(weights[order])
-    return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
-
-
-def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
-    references = pair_references(runs)
-    deltas = plots.max_divergence(runs, curves)
-    rows = []
-    for i, r in zip(runs.index, runs.itertuples()):
-        ratio = math.nan
-        if references[i] is not None:
-            mine, ref = curve(curves, r.run, "train/grad_norm"), curve(curves, references[i], "train/grad_norm")
-            if len(mine) and len(ref):
-                ratio = float(mine.iloc[0] / ref.iloc[0])
-        clipped = r.clipped_steps / r.steps_done if r.clip is not None and r.steps_done else math.nan
-        rows.append({"setup": r.setup, "lr": r.lr, "scale": r.scale, "fix": r.fix, "c_eff": r.c_eff,
-                     "status": r.status, "final loss": r.final_loss, "max abs Δloss vs ref": deltas[r.run],
-                     "grad-norm ratio @ step 0": ratio, "clipped share": clipped, "reference": references[i]})
-    table = pd.DataFrame(rows)
-    return table.drop(columns="clipped share") if table["clipped share"].isna().all() else table
-
-
-def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
-    """Per setup and lr with a reference: where the measured deviation passes 1% of the reference's final
-    loss, below and above c = 1 (log-log interpolation on the grid), next to the predicted band."""
-    deltas = plots.max_divergence(runs, curves)
-    bands = measured_bands(runs, curves)
-    references = pair_references(runs)
-    rows = []
-    for (setup, lr), group in runs.assign(reference=references).dropna(subset=["reference"]).groupby(
-            ["setup", "lr"], sort=False):
-        reference_loss = runs.set_index("run").final_loss.get(group.reference.iloc[0])
-        if reference_loss is None or pd.isna(reference_loss) or group.c_eff.nunique() < 2:
-            continue
-        threshold = 0.01 * abs(reference_loss)
-        c, d = group.c_eff.to_numpy(), group.run.map(deltas).to_numpy()
-        band = bands.get(setup)
-        rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,
-                     "c_1% below 1": crossing_cell(c, d, threshold, "below"),
-                     "c_1% above 1": crossing_cell(c, d, threshold, "above"),
-                     "predicted band": "-" if band is None else
-                     f"{short_number(min(band), 2)} .. {short_number(max(band), 2)}"})
-    return pd.DataFrame(rows)
-
-
-def crossing_cell(c_values, deviations, threshold: float, side: str) -> str:
-    """theory.crossing for a table: a grid point as it is, an interpolated value marked as such with the two
-    grid points it lies between, '-' when the deviation never passes the threshold on the grid."""
-    value = crossing(c_values, deviations, threshold, side)
-    if np.isnan(value):
-        return "-"
-    grid = np.unique(np.asarray(c_values, dtype=float))
-    if np.isclose(grid, value, rtol=1e-9, atol=0).any():
-        return f"{short_number(value)} (grid point)"
-    low, high = grid[grid < value].max(), grid[grid > value].min()
-    return f"≈{short_number(value)} (interpolated, {short_number(low)}..{short_number(high)})"
-
-
-def equivalence_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
-    """The sweep's pairs that the theory says are identical (analysis.load.equivalent_references), with
-    the measured max |Δ loss| over the logged steps."""
-    table = equivalent_references(runs)
-    deltas = []
-    for r in table.itertuples():
-        delta = (curve(curves, r.run, "train/loss") - curve(curves, r.equivalent, "train/loss")).abs()
-        deltas.append(float(delta.max()) if len(delta.dropna()) else math.nan)
-    return table.assign(**{"max abs Δloss": deltas})
 
 
 def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callable | None, str]]:

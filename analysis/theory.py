@@ -1,16 +1,12 @@
 """What the theory predicts (docs/design.md, physics 2-4), as plain functions of measured quantities.
 
 Notation: c = effective gradient multiplier, s = a coordinate's sqrt(v_hat) at c = 1, eps = Adam's eps.
+c_eff itself is experiments.config.c_eff, the one rule the trainer and the analysis share.
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-
-def effective_multiplier(scale: float, fix: bool, world_size: int) -> float:
-    """c_eff: the optimizer sees c_eff times the gradient of the token-mean loss."""
-    return scale * (1.0 if fix else 1.0 / world_size)
 
 
 def update_ratio(c, s, eps):

@@ -12,15 +12,9 @@ import pandas as pd
 import pytest
 
 from analysis import plots, theory
-from analysis.load import (
-    equivalent_references,
-    load,
-    pair_references,
-    read_jsonl,
-    run_names,
-    setup_labels,
-    short_number,
-)
+from analysis.load import load, read_jsonl, run_names, setup_labels, short_number
+from analysis.tables import crossing_cell, equivalent_references, pair_references
+from experiments.config import c_eff, normalization_in_effect
 from tests.conftest import TINY
 
 
@@ -47,9 +41,9 @@ def synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"), lrs=(1e-3,), ste
     return pd.DataFrame(runs), pd.DataFrame(curves, columns=["run", "step", "metric", "value"])
 
 
-def test_effective_multiplier_and_theory():
-    assert theory.effective_multiplier(1.0, fix=False, world_size=8) == 1 / 8
-    assert theory.effective_multiplier(8.0, fix=True, world_size=8) == 8
+def test_c_eff_and_theory():
+    assert c_eff(1.0, normalization_in_effect(fix=False, normalization="global_tokens"), world_size=8) == 1 / 8
+    assert c_eff(8.0, normalization_in_effect(fix=True, normalization="global_tokens"), world_size=8) == 8
     assert theory.update_ratio(1.0, 1e-8, 1e-8) == pytest.approx(0.5)
     assert theory.critical_scale(1e-4, 1e-8) == pytest.approx(1e-4)
     assert theory.sgd_equivalent_lr(0.1, 8) == pytest.approx(0.8)
@@ -187,6 +181,12 @@ def test_equivalent_references_follow_the_theory():
     assert ("sgd-0.001-8", "sgd-0.008-1") in pairs  # SGD(lr, 8) == SGD(8 lr, 1)
     assert ("adamw-0.001-8", "adamw-eps/8") in pairs  # AdamW(8, eps) == AdamW(1, eps/8)
     assert ("sgd-0.008-8", "sgd-0.001-1") not in pairs and not any(r == "adamw-clipped-8" for r, _ in pairs)
+    # without the fix SGD at lr 8e-3 sees c = 1/8: the same steps as SGD at lr 1e-3 with it
+    sgd = runs[runs.run == "sgd-0.008-1"].iloc[0].to_dict()
+    runs.loc[len(runs)] = {**sgd, "run": "sgd-0.008-nofix", "fix": False, "c_eff": 1 / 8,
+                           "normalization": "global_tokens_no_world_fix"}
+    pairs = {(r.run, r.equivalent) for r in equivalent_references(runs).itertuples()}
+    assert ("sgd-0.008-nofix", "sgd-0.001-1") in pairs
 
 
 def test_crossing_and_clipping_theory():
@@ -195,8 +195,7 @@ def test_crossing_and_clipping_theory():
     assert theory.crossing(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05) == pytest.approx(5.0e-4, rel=0.02)
     assert math.isnan(theory.crossing(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05, side="above"))
     assert theory.crossing(c, [0.0, 0.0, 0.0, float("inf")], 0.05, side="above") == 100.0  # diverged: no slope
-    from analysis.report import crossing_cell  # report.md says which values are interpolated, and from what
-
+    # report.md says which values are interpolated, and from what
     assert crossing_cell(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05, "below") == "≈5.01e-4 (interpolated, 1e-4..0.01)"
     assert crossing_cell(c, [0.0, 0.0, 0.0, float("inf")], 0.05, "above") == "100 (grid point)"
     assert crossing_cell(c, [0.15, 6.5e-3, 0.0, 5e-5], 0.05, "above") == "-"
@@ -255,6 +254,24 @@ def test_load_a_real_sweep(tiny_sweep):
     (runs.path.map(lambda p: __import__("pathlib").Path(p)).iloc[0] / "summary.json").unlink()
     runs, _ = load(tiny_sweep)
     assert runs.status.iloc[0] == "interrupted"
+    assert runs.c_eff.iloc[0] == runs.scale.iloc[0]  # from the config's rule when summary.json is missing
+
+
+def test_load_takes_c_eff_and_the_normalization_from_summary_json(tiny_sweep, tmp_path):
+    """What the run trained with is what summary.json says; folders written before the rename carry
+    effective_scale."""
+    sweep = tmp_path / "sweep"
+    shutil.copytree(tiny_sweep, sweep)
+    runs, _ = load(sweep)
+    summary_file = __import__("pathlib").Path(runs.path.iloc[1]) / "summary.json"
+    summary = json.loads(summary_file.read_text())
+    assert summary["c_eff"] == runs.c_eff.iloc[1] and summary["normalization"] == runs.normalization.iloc[1]
+    summary["effective_scale"] = 0.25
+    del summary["c_eff"]
+    summary["normalization"] = "global_tokens_no_world_fix"
+    summary_file.write_text(json.dumps(summary))
+    runs, _ = load(sweep)
+    assert runs.c_eff.iloc[1] == 0.25 and runs.normalization.iloc[1] == "global_tokens_no_world_fix"
 
 
 def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):

@@ -30,7 +30,7 @@ SWEEP_DIR = os.environ.get("GRADSCALE_SWEEP", "../../multirun/figures/world_size
 # %matplotlib inline
 from analysis import plots
 from analysis.load import load
-from analysis.report import equivalence_table, summary_table
+from analysis.tables import equivalence_table, summary_table
 
 runs, curves = load(SWEEP_DIR)
 summary_table(runs, curves).drop(columns=["reference"])

@@ -31,7 +31,7 @@ SWEEP_DIR = os.environ.get("GRADSCALE_SWEEP", "../../multirun/figures/scale_swee
 # %matplotlib inline
 from analysis import plots, theory
 from analysis.load import load
-from analysis.report import measured_bands, summary_table, theory_table
+from analysis.tables import measured_bands, summary_table, theory_table
 
 runs, curves = load(SWEEP_DIR)
 bands = measured_bands(runs, curves)

@@ -1,0 +1,236 @@
+"""Tables from the loaded runs and curves: pairs with their reference, deviations, the theory's bands and
+crossings, the equivalences. Tables in (analysis.load), tables out; plots draw them, report writes them.
+
+The reference of a run is the run identical but for scale 1 with the world-size fix on (c_eff = 1 in the
+recipe HF Trainer and torchtune use).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.load import curve, read_jsonl, short_number
+from analysis.theory import (
+    adamw_equivalent_eps,
+    breakdown_band,
+    clipping_band,
+    crossing,
+    sgd_equivalent_lr,
+    share_below,
+    tensor_group,
+)
+
+# Columns that make two runs "the same experiment" apart from the studied factor.
+PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
+                "normalization", "seed", "steps")
+
+
+def is_reference(runs: pd.DataFrame) -> pd.Series:
+    """Runs at scale 1 with the fix on and global_tokens in effect: the c_eff = 1 runs others pair with."""
+    return (runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens")
+
+
+def pair_references(runs: pd.DataFrame) -> pd.Series:
+    """For each run, the run identical in everything but scale and fix, at scale 1 with the fix on
+    (None where the sweep has no such run). Indexed like `runs`, values are run names."""
+    keys = list(PAIRING_KEYS)
+    lookup = {tuple(_key(r[k]) for k in keys): r["run"] for _, r in runs[is_reference(runs)].iterrows()}
+    found = [lookup.get(tuple(_key(r[k]) for k in keys)) for _, r in _recipe_up_to_c(runs).iterrows()]
+    return pd.Series(found, index=runs.index, dtype=object)  # object: None stays None
+
+
+def _recipe_up_to_c(runs: pd.DataFrame) -> pd.DataFrame:
+    """The pre-fix recipe differs from global_tokens only by the factor c_eff already carries."""
+    return runs.assign(normalization=runs.normalization.replace("global_tokens_no_world_fix", "global_tokens"))
+
+
+def _key(value):
+    return "nan" if isinstance(value, float) and value != value else value  # NaN eps (SGD) pairs with itself
+
+
+def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
+    """Per run, max over steps of |loss - loss(reference)| (NaN without a reference, inf when it diverged)."""
+    references = pair_references(runs)
+    out = {}
+    for i, r in zip(runs.index, runs.itertuples()):
+        if references[i] is None or references[i] == r.run:
+            out[r.run] = np.nan if references[i] is None else 0.0
+            continue
+        mine = curve(curves, r.run, "train/loss")
+        delta = (mine - curve(curves, references[i], "train/loss")).abs()
+        diverged = r.status == "diverged" or not np.isfinite(mine.to_numpy()).all()
+        out[r.run] = np.inf if diverged else float(delta.max()) if len(delta.dropna()) else np.nan
+    return pd.Series(out)
+
+
+def one_percent_thresholds(runs: pd.DataFrame) -> dict[tuple[str, float], float]:
+    """Per (setup, lr) with a reference: 1% of the reference's final loss, the threshold the breakdown is
+    judged by."""
+    references = pair_references(runs)
+    final = runs.set_index("run").final_loss
+    out = {}
+    for i, r in zip(runs.index, runs.itertuples()):
+        loss = final.get(references[i]) if references[i] is not None else None
+        if loss is not None and not pd.isna(loss):
+            out.setdefault((r.setup, r.lr), 0.01 * abs(float(loss)))
+    return out
+
+
+def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
+    """Pairs that the theory says train identically (docs/design.md physics 2-3), with c_eff != 1 on one side:
+    SGD(lr, c) == SGD(lr*c, 1) without weight decay, AdamW(c, eps) == AdamW(1, eps/c); neither with
+    clipping. Columns: run, equivalent (the c_eff = 1 run), rule."""
+    keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]
+    runs = _recipe_up_to_c(runs)
+    unit = runs[np.isclose(runs.c_eff, 1.0)]
+    rows = []
+    for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna() & (runs.weight_decay == 0)].itertuples():
+        if r.optimizer == "sgd":
+            lr = sgd_equivalent_lr(r.lr, r.c_eff)
+            match = np.isclose(unit.lr, lr, rtol=1e-6, atol=0) & unit.eps.isna()
+            rule = f"SGD(lr={short_number(r.lr)}, c={short_number(r.c_eff)}) == SGD(lr={short_number(lr)}, c=1)"
+        elif r.optimizer == "adamw":
+            eps = adamw_equivalent_eps(r.eps, r.c_eff)
+            match = np.isclose(unit.eps, eps, rtol=1e-6, atol=0) & (unit.lr == r.lr)
+            rule = (f"AdamW(c={short_number(r.c_eff)}, eps={short_number(r.eps)}) == "
+                    f"AdamW(c=1, eps={short_number(eps)})")
+        else:
+            continue
+        mine = {k: _key(getattr(r, k)) for k in keys}
+        same = np.logical_and.reduce([[_key(v) == mine[k] for v in unit[k]] for k in keys])
+        for equivalent in unit[match & same].run:
+            rows.append({"run": r.run, "equivalent": equivalent, "rule": rule})
+    return pd.DataFrame(rows, columns=["run", "equivalent", "rule"])
+
+
+def equivalence_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """equivalent_references with the measured max |Δ loss| of each pair over the logged steps."""
+    table = equivalent_references(runs)
+    deltas = []
+    for r in table.itertuples():
+        delta = (curve(curves, r.run, "train/loss") - curve(curves, r.equivalent, "train/loss")).abs()
+        deltas.append(float(delta.max()) if len(delta.dropna()) else math.nan)
+    return table.assign(**{"max abs Δloss": deltas})
+
+
+def measured_bands(runs: pd.DataFrame, curves: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Per setup, the band of c_eff where the theory predicts the breakdown, from its reference run.
+
+    Adam-type setups (eps): (eps/s_q10, eps/s_q90) from the reference's sqrt(v_hat) quantiles: at each
+    recorded step the numel-weighted medians over tensors of each tensor's q10 and q90 give a band; the
+    result spans them all (early in training s is smaller, so the breakdown starts at larger c).
+    Clipped setups: theory.clipping_band of the reference's logged grad norms (the two bands are drawn
+    apart: a clipped Adam setup gets the clipping band, which sits decades higher)."""
+    bands = {}
+    for r in runs[is_reference(runs)].itertuples():
+        if r.setup in bands:
+            continue
+        if r.clip is not None and not pd.isna(r.clip):
+            norms = curve(curves, r.run, "train/grad_norm").to_numpy()
+            if len(norms):
+                bands[r.setup] = clipping_band(norms, float(r.clip))
+            continue
+        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl")) if not pd.isna(r.eps) else pd.DataFrame()
+        if stats.empty:
+            continue
+        medians = [{q: _weighted_median(g[q].to_numpy(), g.numel.to_numpy()) for q in ("q10", "q90")}
+                   for _, g in stats.groupby("step")]
+        # s = 0: most coordinates have had no gradient yet (LoRA's A at step 0); no finite c* to draw
+        per_step = [breakdown_band(m, r.eps) for m in medians if min(m.values()) > 0]
+        if per_step:
+            bands[r.setup] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
+    return bands
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
+
+
+GROUP_MULTIPLIERS = (1.0, 1 / 8, 1 / 64, 1 / 1024)  # c = 1, and the bug at world size 8, 64, 1024
+
+
+def eps_share_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per Adam-type reference run and tensor group, the share of coordinates with c * s < eps at the run's
+    last recorded step, for c = 1 and the world-size bug at N = 8, 64, 1024 (interpolated from each
+    tensor's measured sqrt(v_hat) quantiles: theory.share_below; 1% and 99% are bounds)."""
+    rows = []
+    for r in runs[is_reference(runs) & ~runs.eps.isna()].drop_duplicates("setup").itertuples():
+        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
+        if stats.empty:
+            continue
+        last = stats[stats.step == stats.step.max()]
+        last = last.assign(group=last.tensor.map(tensor_group))
+        for group, tensors in last.groupby("group"):
+            row = {"setup": r.setup, "model": r.model, "step": int(last.step.iloc[0]), "group": group,
+                   "coordinates": int(tensors.numel.sum())}
+            for c in GROUP_MULTIPLIERS:
+                shares = [share_below(t._asdict(), r.eps / c) for t in tensors.itertuples()]
+                row[f"c={_short_c(c)}"] = float(np.average(shares, weights=tensors.numel))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _short_c(c: float) -> str:
+    return "1" if c == 1 else f"1/{round(1 / c)}"
+
+
+def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """Per run: setup, lr, scale, fix, c_eff, status, final loss, max |Δ loss| and the grad-norm ratio at
+    step 0 against its reference, the share of steps clipped (where any run clips), the reference's name."""
+    references = pair_references(runs)
+    deltas = max_divergence(runs, curves)
+    rows = []
+    for i, r in zip(runs.index, runs.itertuples()):
+        ratio = math.nan
+        if references[i] is not None:
+            mine, ref = curve(curves, r.run, "train/grad_norm"), curve(curves, references[i], "train/grad_norm")
+            if len(mine) and len(ref):
+                ratio = float(mine.iloc[0] / ref.iloc[0])
+        clipped = r.clipped_steps / r.steps_done if r.clip is not None and r.steps_done else math.nan
+        rows.append({"setup": r.setup, "lr": r.lr, "scale": r.scale, "fix": r.fix, "c_eff": r.c_eff,
+                     "status": r.status, "final loss": r.final_loss, "max abs Δloss vs ref": deltas[r.run],
+                     "grad-norm ratio @ step 0": ratio, "clipped share": clipped, "reference": references[i]})
+    table = pd.DataFrame(rows)
+    return table.drop(columns="clipped share") if table["clipped share"].isna().all() else table
+
+
+def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """Per setup and lr with a reference: where the measured deviation passes 1% of the reference's final
+    loss, below and above c = 1 (log-log interpolation on the grid), next to the predicted band."""
+    deltas = max_divergence(runs, curves)
+    bands = measured_bands(runs, curves)
+    references = pair_references(runs)
+    rows = []
+    for (setup, lr), group in runs.assign(reference=references).dropna(subset=["reference"]).groupby(
+            ["setup", "lr"], sort=False):
+        reference_loss = runs.set_index("run").final_loss.get(group.reference.iloc[0])
+        if reference_loss is None or pd.isna(reference_loss) or group.c_eff.nunique() < 2:
+            continue
+        threshold = 0.01 * abs(reference_loss)
+        c, d = group.c_eff.to_numpy(), group.run.map(deltas).to_numpy()
+        band = bands.get(setup)
+        rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,
+                     "c_1% below 1": crossing_cell(c, d, threshold, "below"),
+                     "c_1% above 1": crossing_cell(c, d, threshold, "above"),
+                     "predicted band": "-" if band is None else
+                     f"{short_number(min(band), 2)} .. {short_number(max(band), 2)}"})
+    return pd.DataFrame(rows)
+
+
+def crossing_cell(c_values, deviations, threshold: float, side: str) -> str:
+    """theory.crossing for a table: a grid point as it is, an interpolated value marked as such with the two
+    grid points it lies between, '-' when the deviation never passes the threshold on the grid."""
+    value = crossing(c_values, deviations, threshold, side)
+    if np.isnan(value):
+        return "-"
+    grid = np.unique(np.asarray(c_values, dtype=float))
+    if np.isclose(grid, value, rtol=1e-9, atol=0).any():
+        return f"{short_number(value)} (grid point)"
+    low, high = grid[grid < value].max(), grid[grid > value].min()
+    return f"≈{short_number(value)} (interpolated, {short_number(low)}..{short_number(high)})"
