@@ -49,6 +49,7 @@ def test_default_sweep_command_runs_four_complete_jobs(cli, tmp_path):
     assert "optimizer=adamw scale=8" in proc.stdout
 
 
+@pytest.mark.slow
 def test_sixteen_job_sweep(cli, tmp_path):
     sweep_dir = tmp_path / "sweep16"
     args = ["-m", "optimizer=sgd,adamw", "optimizer.lr=1e-3,1e-2", "scale=1,8", "fix=true,false"]
@@ -215,6 +216,7 @@ def old_style_name(job_dir, exclude_keys) -> str:
     return f"{job_dir.name.split('_')[0]}_{','.join(lines)}"
 
 
+@pytest.mark.slow
 def test_parallel_sweep_folders_and_progress_lines_name_what_tells_the_jobs_apart(cli, tmp_path):
     """Side by side (joblib, 2 processes), every progress line carries its job's tag; folders and tags drop
     the overrides every job shares (smoke=on, the tiny config); the include job, which shares them all, is

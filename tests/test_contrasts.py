@@ -41,6 +41,7 @@ def identical(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["adam_atan2", "lion"])
 def test_eps_free_optimizers_are_exactly_scale_invariant(batches, name):
     cfg = config([f"optimizer={name}"])

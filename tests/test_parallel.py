@@ -34,6 +34,7 @@ def runs_by_config(sweep_dir: Path) -> dict[tuple, list[dict]]:
     return out
 
 
+@pytest.mark.distributed
 def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
     steps = ["steps=5", "world_size=2", "checkpoint_every=2"]  # checkpoints gather states mid-run
     real = torchrun(["-m", "experiments.run", "-m", "optimizer=sgd,adamw", "dist.strategy=ddp,fsdp2",
@@ -73,6 +74,7 @@ def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
     assert (first / "run.rank1.log").exists() and not list(first.glob("*rank1*.json*"))
 
 
+@pytest.mark.distributed
 def test_lora_under_torchrun_matches_emulation(cli, tmp_path, cache_dir):
     """The engines with a frozen base and peft adapters (FSDP2 shards the layers under the peft wrapper)."""
     args = ["optimizer=adamw", "finetune=lora", "fix=false", *TINY, "steps=5", "world_size=2"]
@@ -90,6 +92,7 @@ def test_lora_under_torchrun_matches_emulation(cli, tmp_path, cache_dir):
             [r["train/grad_norm"] for r in runs[("emulated", "adamw", False)]], rel=1e-4), strategy
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_parity_oracle(strategy):
     from experiments.parity import format_table, run_parity
@@ -121,6 +124,7 @@ def inject_local_token_count():
     train.global_token_count = lambda local_targets, ranks: count_trained_tokens(local_targets)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("bug", [inject_dropped_world_factor, inject_local_token_count])
 def test_mutation_self_test_the_oracle_flags_each_known_bug(bug):
     from experiments.parity import run_parity
@@ -131,6 +135,7 @@ def test_mutation_self_test_the_oracle_flags_each_known_bug(bug):
     assert {r.case for r in flagged} == {"equal", "ragged", "zero_rank"}
 
 
+@pytest.mark.distributed
 def test_parity_cli_prints_the_table():
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "experiments.parity", "--grad-accum", "1"], cwd=ROOT, env=env,
@@ -139,6 +144,7 @@ def test_parity_cli_prints_the_table():
     assert proc.stdout.count(" ok") == 12 and "global_tokens_no_world_fix" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_a_dead_rank_ends_the_job_quickly_and_nothing_claims_completion(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     started = time.monotonic()

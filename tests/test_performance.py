@@ -18,6 +18,7 @@ from experiments.run import GLIBC_MALLOC_ENV
 from tests.conftest import OFFLINE_ENV, ROOT
 
 
+@pytest.mark.slow
 def test_bench_runs_every_loop_and_ends_with_its_ratios(cache_dir):
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
     proc = subprocess.run([sys.executable, "scripts/bench.py", "--steps", "2", "--repeats", "2", "batch_size=8",
@@ -31,6 +32,7 @@ def test_bench_runs_every_loop_and_ends_with_its_ratios(cache_dir):
     assert all(float(x) > 0 for x in match.groups())
 
 
+@pytest.mark.slow
 def test_bench_memory_measures_every_loop_at_two_depths(cache_dir):
     """--memory on a narrow model: one process per loop and depth, the table, and the ratios line."""
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}

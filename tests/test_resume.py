@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from experiments.sweep import job_dirs
 from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics
 
@@ -39,6 +41,7 @@ def kill_when(proc: subprocess.Popen, metrics: Path, records: int, timeout: floa
     raise AssertionError(f"the run ended (rc={proc.poll()}) before {metrics} held {records} records")
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(cli, tmp_path, cache_dir):
     whole = tmp_path / "whole"
     assert cli([*LONG, f"hydra.run.dir={whole}"]).returncode == 0
@@ -55,6 +58,7 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(cli, tmp_path
     assert not (killed / "checkpoint.pt").exists()  # removed once the run ended
 
 
+@pytest.mark.slow
 def test_rerun_sweep_resumes_the_killed_job_and_leaves_the_diverged_one(cli, tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     args = ["-m", "optimizer=sgd", "optimizer.lr=0.05", "scale=1e30,1", *LONG, f"hydra.sweep.dir={sweep}"]

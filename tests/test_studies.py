@@ -65,6 +65,7 @@ def gguf_stand_in(tmp_path_factory, cache_dir) -> list[str]:
     return [f"model.gguf_file={path}", "model.gguf_package=null"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_runs_whole_in_smoke_form_with_its_report(name, tmp_path, cache_dir, gguf_stand_in):
     sweep_dir = tmp_path / name
@@ -79,6 +80,7 @@ def test_preset_runs_whole_in_smoke_form_with_its_report(name, tmp_path, cache_d
     assert "## Breakdown against theory" in report and (sweep_dir / "report" / "loss_curves.png").exists()
 
 
+@pytest.mark.slow
 def test_world_size_fix_reproduces_the_reports_three_runs(tmp_path, cache_dir):
     """fix on, fix off, and fix on at lr / 8 (the `include` jobs): SGD's fix-off run is its lr / 8 run."""
     sweep_dir = tmp_path / "wsf"
