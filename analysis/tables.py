@@ -205,14 +205,13 @@ def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
     loss, below and above c = 1 (log-log interpolation on the grid), next to the predicted band."""
     deltas = max_divergence(runs, curves)
     bands = measured_bands(runs, curves)
-    references = pair_references(runs)
+    thresholds = one_percent_thresholds(runs)
     rows = []
-    for (setup, lr), group in runs.assign(reference=references).dropna(subset=["reference"]).groupby(
+    for (setup, lr), group in runs.assign(reference=pair_references(runs)).dropna(subset=["reference"]).groupby(
             ["setup", "lr"], sort=False):
-        reference_loss = runs.set_index("run").final_loss.get(group.reference.iloc[0])
-        if reference_loss is None or pd.isna(reference_loss) or group.c_eff.nunique() < 2:
+        threshold = thresholds.get((setup, lr))
+        if threshold is None or group.c_eff.nunique() < 2:
             continue
-        threshold = 0.01 * abs(reference_loss)
         c, d = group.c_eff.to_numpy(), group.run.map(deltas).to_numpy()
         band = bands.get(setup)
         rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,

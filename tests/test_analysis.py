@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import matplotlib.figure
 import numpy as np
@@ -251,7 +252,7 @@ def test_load_a_real_sweep(tiny_sweep):
     assert set(runs.c_eff) == {1.0, 8.0}
     assert {"train/loss", "train/grad_norm", "eval/loss", "adam/sqrt_v_rms"} <= set(curves.metric)
     # an interrupted run (no summary) is kept, with that status
-    (runs.path.map(lambda p: __import__("pathlib").Path(p)).iloc[0] / "summary.json").unlink()
+    (runs.path.map(Path).iloc[0] / "summary.json").unlink()
     runs, _ = load(tiny_sweep)
     assert runs.status.iloc[0] == "interrupted"
     assert runs.c_eff.iloc[0] == runs.scale.iloc[0]  # from the config's rule when summary.json is missing
@@ -263,7 +264,7 @@ def test_load_takes_c_eff_and_the_normalization_from_summary_json(tiny_sweep, tm
     sweep = tmp_path / "sweep"
     shutil.copytree(tiny_sweep, sweep)
     runs, _ = load(sweep)
-    summary_file = __import__("pathlib").Path(runs.path.iloc[1]) / "summary.json"
+    summary_file = Path(runs.path.iloc[1]) / "summary.json"
     summary = json.loads(summary_file.read_text())
     assert summary["c_eff"] == runs.c_eff.iloc[1] and summary["normalization"] == runs.normalization.iloc[1]
     summary["effective_scale"] = 0.25
