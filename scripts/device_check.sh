@@ -58,18 +58,20 @@ else
   echo "carry: none ($carry has no wheels); the image must hold every package"
 fi
 
-# every import a part needs, one line each, before any part starts
-missing=0
-for module in torch transformers accelerate safetensors tokenizers hydra omegaconf antlr4 yaml pandas matplotlib \
-    greenlet pytest; do
-  if line=$("$PY" -c "import $module as m; print(getattr(m, '__version__', '-'), m.__file__)" 2>&1); then
-    echo "import $module: $line"
-  else
-    echo "import $module: FAILED: $(echo "$line" | tail -1)"
-    missing=1
-  fi
-done
-if [ $missing = 1 ]; then
+# every import a part needs, one line each (one process), before any part starts
+if ! "$PY" - <<'EOF'; then
+import importlib, sys
+failed = False
+for module in ("torch transformers accelerate safetensors tokenizers hydra omegaconf antlr4 yaml pandas matplotlib "
+               "greenlet pytest").split():
+    try:
+        m = importlib.import_module(module)
+        print(f"import {module}: {getattr(m, '__version__', '-')} {m.__file__}")
+    except Exception as e:  # a broken install as much as a missing one
+        print(f"import {module}: FAILED: {type(e).__name__}: {e}")
+        failed = True
+sys.exit(1 if failed else 0)
+EOF
   echo "error: the imports above that FAILED are missing on this machine; no part was started." \
     "Carry them: add them to scripts/device_carry.txt, run python scripts/device_carry.py, carry .whl" >&2
   exit 2

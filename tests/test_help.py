@@ -94,8 +94,8 @@ def parser_of(main) -> argparse.ArgumentParser:
     return seen[0]
 
 
-def _bench_main():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+def _script_main(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
@@ -109,7 +109,8 @@ COMMANDS = {
     "experiments.advise": lambda: importlib.import_module("experiments.advise").main,
     "experiments.pretrain": lambda: importlib.import_module("experiments.pretrain").main,
     "experiments.parity": lambda: importlib.import_module("experiments.parity").main,
-    "scripts/bench.py": _bench_main,
+    "scripts/bench.py": lambda: _script_main("bench"),
+    "scripts/device_carry.py": lambda: _script_main("device_carry"),
 }
 
 
