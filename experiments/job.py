@@ -50,9 +50,13 @@ def build_batches(cfg: Config, source: str | None = None) -> Batches:
 
 
 def build_model(cfg: Config, device: torch.device, ranks: Ranks, source: str | None = None) -> torch.nn.Module:
-    """The weights from `source` (weights.checkpoint_dir) or a seeded random init, fine-tune adapters, the
-    ranks' engine (DDP / FSDP2 under torchrun), torch.compile when asked."""
-    net = model.apply_finetune(model.build_model(cfg.model, cfg.seed, device, source), cfg.finetune)
+    """The weights from `source` (weights.checkpoint_dir) or a seeded random init, attention in fp32 under
+    bf16 on the CPU (faster there: model.attention_in_fp32), fine-tune adapters, the ranks' engine (DDP /
+    FSDP2 under torchrun), torch.compile when asked."""
+    net = model.build_model(cfg.model, cfg.seed, device, source)
+    if cfg.precision == "bf16" and device.type == "cpu":
+        model.attention_in_fp32(net)
+    net = model.apply_finetune(net, cfg.finetune)
     net = parallel.wrap(net, ranks)
     return torch.compile(net) if cfg.compile else net
 

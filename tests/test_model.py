@@ -130,3 +130,29 @@ def test_seq_len_limit_comes_from_the_checkpoint(checkpoint):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=r"seq_len=64 .* max_position_embeddings \(32\)"):
         validate(compose([f"model.path={path}", "seq_len=64"]))
+
+
+def test_bf16_on_the_cpu_runs_attention_in_fp32_and_fp32_runs_keep_sdpa():
+    """The attention kernel under bf16 autocast on the CPU is fp32 SDPA (faster there); fp32 runs are as before."""
+    from experiments.config import to_object
+    from experiments.job import build_model
+    from experiments.model import FP32_ATTENTION
+    from experiments.parallel import Ranks
+
+    nets = {}
+    for precision in ("fp32", "bf16"):
+        cfg = to_object(compose(["model.init=random", f"precision={precision}"]))
+        nets[precision] = build_model(cfg, torch.device("cpu"), Ranks(world_size=1))
+    assert nets["fp32"].config._attn_implementation == "sdpa"
+    assert nets["bf16"].config._attn_implementation == FP32_ATTENTION
+    inputs = torch.randint(0, nets["fp32"].config.vocab_size, (2, 32))
+    with torch.no_grad():
+        exact = nets["fp32"](input_ids=inputs).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fast = nets["bf16"](input_ids=inputs).logits
+            nets["bf16"].set_attn_implementation("sdpa")  # autocast's own: attention in bf16
+            plain = nets["bf16"](input_ids=inputs).logits
+    assert fast.dtype == plain.dtype == torch.bfloat16
+    # fp32 attention is no further from the fp32 model than bf16 attention is
+    assert (fast.float() - exact).abs().max() <= (plain.float() - exact).abs().max() * 1.5
+    assert not torch.equal(fast, plain)  # the kernel really changed
