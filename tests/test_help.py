@@ -111,6 +111,7 @@ COMMANDS = {
     "experiments.parity": lambda: importlib.import_module("experiments.parity").main,
     "scripts/bench.py": lambda: _script_main("bench"),
     "scripts/device_carry.py": lambda: _script_main("device_carry"),
+    "scripts/profile_step.py": lambda: _script_main("profile_step"),
 }
 
 
