@@ -149,6 +149,10 @@ class ModelConfig:
     gguf_package: str | None = None  # pip requirement (name==version) whose wheel holds gguf_file
     init: str = "pretrained"  # pretrained (the suite's own base, experiments/pretrain.py) | random
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    # how this model fine-tunes unless the command line or an experiment preset sets the key itself:
+    # {lr: {OPTIMIZER: lr}, batch_size: N, seq_len: N} (conf/optimizer/*.yaml and conf/config.yaml read it
+    # with oc.select); empty: the suite's own defaults, made for the tiny model
+    recommended: dict[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None  # converted and pretrained checkpoints; null = $GRADSCALE_CACHE or ~/.cache/gradscale
     vocab_size: int = 128256
     hidden_size: int = 2048
@@ -171,6 +175,12 @@ class ModelConfig:
     def check(self) -> None:
         """Values only: the files it names are check_files' (they are read once per process)."""
         _check(self.init in INITS, "model.init", self.init, f"one of {', '.join(INITS)}")
+        unknown = set(self.recommended) - set(RECOMMENDED_KEYS)
+        _check(not unknown, "model.recommended", dict(self.recommended), f"keys among {', '.join(RECOMMENDED_KEYS)}")
+        for name, lr in (self.recommended.get("lr") or {}).items():
+            _check(name in OPTIMIZERS, f"model.recommended.lr.{name}", lr,
+                   f"an optimizer among {', '.join(OPTIMIZERS)}")
+            _check(isinstance(lr, (int, float)) and lr > 0, f"model.recommended.lr.{name}", lr, "a number > 0")
         _check(not (self.path and self.gguf_file), "model.gguf_file", self.gguf_file,
                "must be null when model.path is set (one source of weights)")
         if self.init == "pretrained" and not (self.path or self.gguf_file):
@@ -179,7 +189,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = MISSING  # pydoc | jsonl | hf
+    name: str = MISSING  # pydoc | docstrings | jsonl | hf
     path: str | None = None  # jsonl: the local file
     template: str = "auto"  # auto | chat | alpaca: auto = the tokenizer's chat template when it has one
     hf_name: str | None = None  # hf: dataset name on the hub (or a local dataset script/dir)
@@ -315,7 +325,8 @@ def register_configs() -> None:
 OPTIMIZERS = ("sgd", "adamw", "adam_atan2", "lion")
 FINETUNES = ("full", "lora")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DATASETS = ("pydoc", "jsonl", "hf")
+RECOMMENDED_KEYS = ("lr", "batch_size", "seq_len")
+DATASETS = ("pydoc", "docstrings", "jsonl", "hf")
 TEMPLATES = ("auto", "chat", "alpaca")
 INITS = ("pretrained", "random")
 PRECISIONS = ("fp32", "bf16")

@@ -17,11 +17,15 @@ world size, the optimizer, the scale or the fix, so every run in a comparison se
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import logging
 import os
 import random
+import sysconfig
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -70,6 +74,58 @@ def pydoc_examples() -> list[dict[str, str]]:
     return examples
 
 
+# The standard library's docstrings: the tiny base's pretraining corpus (experiments/pretrain.py) and the
+# long fine-tune's data (data=docstrings). Not in it: tests and demos (code rather than prose), the GUI
+# toolkits, vendored installers, and pydoc_data, which holds the default fine-tune's text.
+SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "pydoc_data", "turtledemo",
+                "tkinter", "ensurepip", "__pycache__"}
+MIN_DOCSTRING_CHARS = 40  # one-liners like "Return self." teach nothing
+
+
+def stdlib_files() -> tuple[Path, ...]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return tuple(p for p in sorted(root.rglob("*.py"))
+                 if not any(part in SKIPPED_DIRS or part.startswith("config-") for part in p.relative_to(root).parts))
+
+
+@dataclass(frozen=True)
+class Docstring:
+    module: str  # dotted, from the file's path under the library
+    name: str  # the class or function's name; "" for the module's own docstring
+    kind: str  # module | class | function
+    text: str
+
+
+@functools.lru_cache(maxsize=1)  # parsing the library takes seconds; a sweep's jobs need it once
+def stdlib_docstrings(files: tuple[Path, ...]) -> tuple[Docstring, ...]:
+    """Every module, class and function docstring of at least MIN_DOCSTRING_CHARS, in file order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):  # a file of another Python version's syntax
+            continue
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node)
+                if text and len(text) >= MIN_DOCSTRING_CHARS:
+                    kind = {ast.Module: "module", ast.ClassDef: "class"}.get(type(node), "function")
+                    found.append(Docstring(module, getattr(node, "name", ""), kind, text))
+    return tuple(found)
+
+
+def docstring_examples() -> list[dict[str, str]]:
+    """(prompt, response) pairs from the standard library's docstrings: write the docstring of this module,
+    class or function. About 1.5M characters, for a fine-tune long enough to see epochs' worth of steps."""
+    examples = []
+    for d in stdlib_docstrings(stdlib_files()):
+        what = f"the module {d.module}" if d.kind == "module" else f"the {d.kind} {d.name} in the module {d.module}"
+        examples.append({"prompt": f"Write the docstring of {what}.", "response": d.text})
+    return examples
+
+
 def records_examples(records, prompt_field: str, response_field: str, source: str) -> list[dict[str, str]]:
     examples = []
     for i, record in enumerate(records):
@@ -85,6 +141,8 @@ def records_examples(records, prompt_field: str, response_field: str, source: st
 def load_examples(data_cfg) -> list[dict[str, str]]:
     if data_cfg.name == "pydoc":
         return pydoc_examples()
+    if data_cfg.name == "docstrings":
+        return docstring_examples()
     import datasets  # slow import, only for file and hub data
 
     datasets.disable_progress_bars()

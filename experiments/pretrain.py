@@ -17,49 +17,16 @@ machine; built on first use with progress lines; later runs load it (about half 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import functools
 import json
 import logging
 import os
 import sys
-import sysconfig
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 RECIPE_VERSION = "1"  # bump when the corpus extraction or the recipe below changes
-# Not in the corpus: tests and demos (code rather than prose), the GUI toolkits, vendored installers, and
-# pydoc_data, which holds the default fine-tune's text.
-SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "pydoc_data", "turtledemo",
-                "tkinter", "ensurepip", "__pycache__"}
-MIN_DOCSTRING_CHARS = 40  # one-liners like "Return self." teach nothing
-
-
-def corpus_files() -> tuple[Path, ...]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return tuple(p for p in sorted(root.rglob("*.py"))
-                 if not any(part in SKIPPED_DIRS or part.startswith("config-") for part in p.relative_to(root).parts))
-
-
-@functools.lru_cache(maxsize=1)  # parsing the library takes seconds; a sweep's jobs need it once
-def docstrings(files: tuple[Path, ...]) -> list[str]:
-    """Every module, class and function docstring of at least MIN_DOCSTRING_CHARS, in file order."""
-    texts = []
-    for path in files:
-        try:
-            tree = ast.parse(path.read_bytes())
-        except (SyntaxError, ValueError):  # a file of another Python version's syntax
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                text = ast.get_docstring(node)
-                if text and len(text) >= MIN_DOCSTRING_CHARS:
-                    texts.append(text)
-    return texts
-
-
 def base_digest(model_cfg, files: tuple[Path, ...]) -> str:
     from importlib import metadata
 
@@ -75,9 +42,10 @@ def base_digest(model_cfg, files: tuple[Path, ...]) -> str:
 
 def pretrained_base(model_cfg) -> Path:
     """The base's checkpoint directory, built first if it is not cached."""
+    from experiments import data
     from experiments.weights import build_lock, cache_root
 
-    files = corpus_files()
+    files = data.stdlib_files()
     target = cache_root(model_cfg.cache_dir) / "models" / f"base-{model_cfg.name}-{base_digest(model_cfg, files)[:16]}"
     if (target / "config.json").is_file():
         return target
@@ -118,7 +86,7 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     pre = model_cfg.pretrain
     log.info("building the pretrained base for model=%s (%d steps; once, then cached) -> %s",
              model_cfg.name, pre.steps, target)
-    texts = docstrings(files)
+    texts = [d.text for d in data.stdlib_docstrings(files)]
     log.info("corpus: %d docstrings, %.2fM characters, from %d standard-library files",
              len(texts), sum(map(len, texts)) / 1e6, len(files))
     tokenizer = data.train_bpe(texts, model_cfg.vocab_size, model_cfg.cache_dir)

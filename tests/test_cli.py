@@ -126,6 +126,8 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(cli, tmp_path):
         ("finetune=lora finetune.rank=0", "finetune.rank=0"),
         ("finetune=lora finetune.dropout=1", "finetune.dropout=1.0"),
         ("finetune=lora finetune.target_modules=[wq]", "finetune.target_modules=['wq']"),
+        ("+model.recommended.lr.adamx=1e-5", "model.recommended.lr.adamx"),
+        ("+model.recommended.warmup=10", "model.recommended.warmup"),
     ],
 )
 def test_bad_value_is_refused_with_one_line(cli, tmp_path, override, expected):
@@ -292,3 +294,32 @@ def test_a_kept_folder_name_reads_back_exactly(name):
 
     cfg = compose([f"hydra.sweep.subdir={hydra_quoted(name)}"], with_hydra=True)
     assert cfg.hydra.sweep.subdir == name
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], ("adamw", 1e-3, 16, 128)),  # the tiny model: the suite's defaults
+        (["model=smollm2_135m"], ("adamw", 1e-5, 8, 128)),  # the preset's own recipe
+        (["model=smollm2_135m", "optimizer=sgd"], ("sgd", 1e-2, 8, 128)),  # its lr for each optimizer
+        (["model=smollm2_135m", "optimizer=lion"], ("lion", 1e-6, 8, 128)),
+        (["model=smollm2_135m", "optimizer.lr=3e-5", "batch_size=4"], ("adamw", 3e-5, 4, 128)),  # the user's win
+        (["model=smollm2_135m", "experiment=smollm2_world_size_fix"], ("adamw", 1e-5, 8, 64)),  # a preset's win
+        (["model=smollm2_135m", "smoke=on"], ("adamw", 1e-5, 8, 64)),
+    ],
+)
+def test_a_model_preset_brings_its_recipe_unless_the_user_or_a_preset_sets_it(overrides, expected):
+    from experiments.config import to_object
+
+    cfg = to_object(compose(overrides))
+    assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.batch_size, cfg.seq_len) == expected
+
+
+@pytest.mark.parametrize(("recommended", "key"), [({"lr": {"adamx": 1e-5}}, "model.recommended.lr.adamx"),
+                                                  ({"lr": {"sgd": -1.0}}, "model.recommended.lr.sgd"),
+                                                  ({"warmup": 10}, "model.recommended")])
+def test_a_model_presets_recommended_recipe_is_checked(recommended, key):
+    from experiments.config import ConfigError, ModelConfig
+
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        ModelConfig(name="preset", init="random", recommended=recommended).check()

@@ -33,6 +33,23 @@ def test_pydoc_dataset_covers_the_cpython_reference():
     assert len({e["prompt"] for e in examples}) == len(examples)
 
 
+def test_docstrings_dataset_is_the_standard_librarys_docstrings():
+    from experiments.config import to_object
+
+    examples = data.load_examples(to_object(compose(["data=docstrings"])).data)
+    assert len(examples) > 4000  # 5824 on CPython 3.11
+    assert all(len(e["response"]) >= data.MIN_DOCSTRING_CHARS for e in examples)
+    prompts = {e["prompt"] for e in examples}
+    assert "Write the docstring of the module json." in prompts
+    assert "Write the docstring of the function dumps in the module json." in prompts
+    import json as json_module
+
+    response = next(e["response"] for e in examples if e["prompt"].endswith("function dumps in the module json."))
+    assert response == json_module.dumps.__doc__.strip().replace("\n    ", "\n")
+    train, held_out = data.split_examples(examples, 0.05)
+    assert len(held_out) == round(0.05 * len(examples)) and not {id(e) for e in train} & {id(e) for e in held_out}
+
+
 def test_tokenizer_is_deterministic_and_cached(tmp_path):
     examples = data.pydoc_examples()[:200]
     a = data.build_tokenizer(examples, 512, str(tmp_path / "a"))

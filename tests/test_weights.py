@@ -149,7 +149,7 @@ def test_a_fine_tune_from_the_base_starts_below_random_init(tmp_path):
 
 
 def test_corpus_leaves_out_the_fine_tune_text():
-    from experiments import pretrain
+    from experiments import data
 
-    files = pretrain.corpus_files()
+    files = data.stdlib_files()
     assert files and not any("pydoc_data" in p.parts or "test" in p.parts for p in files)
