@@ -25,6 +25,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from analysis.load import read_jsonl, run_dirs
+from experiments.frequency import BUCKETS
 from experiments.metrics import write_text_atomic
 
 # The views, in order: (section, [(kind, metric, log_y)]). A panel whose metric no run of the sweep logs
@@ -36,6 +37,9 @@ VIEWS = (
     ("Update RMS", [("line", "train/update_rms", True)]),
     ("Adam: eps-dominated share", [("line", "adam/eps_dominated_frac", False), ("line", "adam/sqrt_v_rms", True)]),
     ("Eval loss", [("line", "eval/loss", False), ("bar", "eval/loss", False)]),
+    ("Where the cut lands: held-out loss and output-row updates by token frequency",
+     [("line", f"eval/loss_{bucket}", False) for bucket in BUCKETS]
+     + [("line", f"train/output_update_rms_{bucket}", True) for bucket in BUCKETS]),
 )
 STEP = "step"  # every record carries it; RunLog makes it W&B's step metric (W&B's own _step counts log calls)
 GROUP_FIRST, GROUP_LAST = "optimizer.name", "scale"  # the study's two axes, in every run's config

@@ -501,3 +501,31 @@ def lr_axis(runs: pd.DataFrame):
     plain_ticks(ax)
     _legend(fig, handles)
     return fig
+
+
+def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"):
+    """By token-frequency bucket (experiments/frequency.py), one panel each, against the reference run (scale 1,
+    fix on): the held-out loss of the bucket's targets minus the reference's (what="loss"), or the RMS of the
+    update of the bucket's output-matrix rows over the reference's, at the eval steps (what="update")."""
+    from experiments.frequency import BUCKET_EDGES, BUCKETS
+
+    low, mid, high = BUCKET_EDGES
+    ranges = {"unseen": "0", "rare": f"{low}-{mid - 1}", "middle": f"{mid}-{high - 1}", "frequent": f">= {high}"}
+    titles = {b: f"{b} (trained {ranges[b]} times)" for b in BUCKETS}
+    metric, title, ylabel, level = {
+        "loss": ("eval/loss_{}", "held-out loss by how often the target token is trained: run minus reference",
+                 "Δ held-out loss (nats)", 0.0),
+        "update": ("train/output_update_rms_{}", "update RMS of the output-matrix rows by how often the token is "
+                   "trained: run over reference", "update RMS / reference's", 1.0),
+    }[what]
+    several_setups = runs.setup.nunique() > 1
+    plot = CurveFigure(titles.values(), title)
+    for r, reference in _paired(runs):
+        label = (f"{r.setup} " if several_setups else "") + _label(r, runs)
+        for bucket in BUCKETS:
+            run_curve, ref_curve = (curve(curves, name, metric.format(bucket)) for name in (r.run, reference))
+            series = run_curve - ref_curve if what == "loss" else run_curve / ref_curve
+            plot.draw(titles[bucket], series.dropna(), label)
+    for ax in plot.axes.values():
+        ax.axhline(level, color="0.5", lw=0.8, ls=":", gid="level")
+    return plot.finish("step", ylabel)

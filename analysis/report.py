@@ -42,6 +42,8 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
     several_eps = runs[runs.eps.notna()].groupby("optimizer").eps.nunique().max() > 1
     clipped = runs["clip"].notna().any() and runs.clipped_steps.notna().any()
     no_ref = "no run pairs with a reference (same config at scale 1, fix on)"
+    buckets = (curves.metric == "eval/loss_rare").any()
+    no_buckets = "no run logged the token-frequency buckets (experiments/frequency.py)"
     return [
         ("loss_curves", lambda: plots.loss_curves(runs, curves), ""),
         ("divergence", (lambda: plots.divergence(runs, curves)) if has_pairs else None, no_ref),
@@ -57,6 +59,10 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
          else None, "needs at least 2 learning rates and 2 values of c_eff for one setup"),
         ("adam_state", (lambda: plots.adam_state(runs, curves)) if adam else None, "no Adam-type runs"),
         ("lr_axis", (lambda: plots.lr_axis(runs)) if lrs_per_opt > 1 else None, "no lr axis: one lr per setup"),
+        ("token_frequency_loss", (lambda: plots.token_frequency(runs, curves, "loss")) if buckets and has_pairs
+         else None, no_buckets if not buckets else no_ref),
+        ("token_frequency_update", (lambda: plots.token_frequency(runs, curves, "update")) if buckets and has_pairs
+         else None, no_buckets if not buckets else no_ref),
     ]
 
 

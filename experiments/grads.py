@@ -120,12 +120,16 @@ def global_token_count(local_targets: torch.Tensor, ranks: Ranks) -> int:
     return int(ranks.sum(torch.tensor(count_trained_tokens(local_targets))))
 
 
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy in fp32, [batch, seq]; 0 where the target is not trained."""
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
+
+
 def sequence_loss_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-sequence sums (not means) of token cross-entropy over trained tokens, in fp32."""
-    token_losses = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    return token_losses.view(targets.shape).sum(1)
+    return token_losses(logits, targets).sum(1)
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

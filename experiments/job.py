@@ -18,6 +18,7 @@ import torch
 from experiments import checkpoint, data, model, optim, parallel, weights
 from experiments.config import Config, check_environment, resolve_world_size, validate
 from experiments.data import Batches
+from experiments.frequency import TokenBuckets
 from experiments.grads import GradPipeline
 from experiments.parallel import Ranks
 from experiments.train import LoopConfig, train
@@ -36,6 +37,7 @@ class Job:
     ranks: Ranks
     device: torch.device
     autocast: contextlib.AbstractContextManager
+    buckets: TokenBuckets | None = None  # held-out loss and output-row updates by token frequency, at evals
 
 
 def build_batches(cfg: Config, source: str | None = None) -> Batches:
@@ -78,7 +80,19 @@ def build_job(cfg: Config, world_size: int | None = None, batches: Batches | Non
     optimizer = optim.build_optimizer(cfg.optimizer, [p for p in net.parameters() if p.requires_grad])
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
-    return Job(net, optimizer, batches, build_pipeline(cfg, ranks.world_size), ranks, device, autocast)
+    return Job(net, optimizer, batches, build_pipeline(cfg, ranks.world_size), ranks, device, autocast,
+               build_buckets(net, batches, cfg.dist.strategy if ranks.real else None))
+
+
+def build_buckets(net: torch.nn.Module, batches: Batches, strategy: str | None) -> TokenBuckets:
+    """Token buckets by the training split's target counts; the output rows are measured where they are one
+    whole, trained tensor on this rank (not FSDP2's shards, not a frozen LoRA base)."""
+    while hasattr(net, "module") or hasattr(net, "_orig_mod"):  # DDP's and torch.compile's wrappers
+        net = getattr(net, "module", None) or net._orig_mod
+    output = net.get_output_embeddings()
+    vocab_size = output.weight.shape[0]
+    weight = output.weight if output.weight.requires_grad and strategy != "fsdp2" else None
+    return TokenBuckets.of(batches.train.targets, vocab_size, weight)
 
 
 def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | None = None) -> dict[str, Any]:

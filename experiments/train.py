@@ -17,7 +17,7 @@ from experiments.grads import (
     count_trained_tokens,
     global_token_count,
     sequence_loss_sums,
-    token_loss_sum,
+    token_losses,
     total_norm,
 )
 from experiments.metrics import RunLog
@@ -25,6 +25,7 @@ from experiments.optim import adam_state_stats, sqrt_v_quantiles
 from experiments.parallel import Ranks, local
 
 if TYPE_CHECKING:
+    from experiments.frequency import TokenBuckets
     from experiments.job import Job
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
           checkpointer: Checkpointer | None = None) -> TrainResult:
     """Train job.model for loop.steps steps; resume from the checkpointer's checkpoint when it has one."""
     model, optimizer, batches, pipeline, ranks = job.model, job.optimizer, job.batches, job.pipeline, job.ranks
-    autocast, device = job.autocast, job.device
+    autocast, device, buckets = job.autocast, job.device, job.buckets
     resumed = checkpointer.resume(model, optimizer) if checkpointer else None
     if run_log is not None:  # drop what a killed run logged after its checkpoint (all of it, without one)
         run_log.rewind(resumed.next_step if resumed else 0)
@@ -86,8 +87,10 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
         loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, loop.grad_accum,
                                                     autocast, device)
         logging_step = step % loop.log_every == 0 or step == steps - 1
+        eval_step = (step + 1) % loop.eval_every == 0 or step == steps - 1
         grad_norm, clipped = pipeline.apply(params, num_tokens, ranks, measure=logging_step)
         clipped_steps += clipped
+        rows_before = buckets.rows_before_step() if eval_step and buckets else None  # the update by token bucket
 
         if logging_step:  # the same step, taken a chunk at a time to measure the exact update cheaply
             update_rms = step_measuring_update(optimizer, params, ranks) / math.sqrt(n_coords)
@@ -128,9 +131,12 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
             if run_log is not None:
                 run_log.log_adam_stats(records)
 
-        if (step + 1) % loop.eval_every == 0 or step == steps - 1:
-            eval_loss = evaluate(model, batches, loop.eval_batches, autocast, device)
-            log_record(run_log, {"step": step, "eval/loss": eval_loss})
+        if eval_step:
+            eval_record = evaluate(model, batches, loop.eval_batches, autocast, device, buckets)
+            if rows_before is not None:
+                eval_record.update(buckets.row_update_record(rows_before))
+            log_record(run_log, {"step": step, **eval_record})
+            eval_loss = eval_record["eval/loss"]
             log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
             if not math.isfinite(eval_loss):  # weights gone non-finite after the last logged step
                 log.warning("non-finite eval loss at step %d: run diverged", step)
@@ -204,14 +210,25 @@ def log_record(run_log: RunLog | None, record: dict) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, batches: Batches, max_batches: int, autocast, device) -> float:
-    """Token-mean loss over the held-out split (the same sequences every time)."""
+def evaluate(model, batches: Batches, max_batches: int, autocast, device, buckets: TokenBuckets | None = None
+             ) -> dict[str, float]:
+    """Token-mean loss over the held-out split (the same sequences every time): eval/loss, and with `buckets`
+    the loss of each token-frequency bucket's targets (experiments/frequency.py)."""
     model.eval()
     loss_sum, tokens = torch.zeros((), device=device), 0
+    bucket_losses = bucket_tokens = 0
     for inputs, targets in batches.eval_batches(max_batches):
+        targets = targets.to(device)
         with autocast:
             logits = model(input_ids=inputs.to(device)).logits
-        loss_sum += token_loss_sum(logits, targets.to(device))
+        losses = token_losses(logits, targets)
+        loss_sum += losses.sum(1).sum()  # as token_loss_sum adds: the same bits
         tokens += count_trained_tokens(targets)
+        if buckets is not None:
+            sums, counts = buckets.bucket_sums(losses, targets)
+            bucket_losses, bucket_tokens = bucket_losses + sums, bucket_tokens + counts
     model.train()
-    return loss_sum.item() / tokens
+    record = {"eval/loss": loss_sum.item() / tokens}
+    if buckets is not None:
+        record.update(buckets.loss_record(bucket_losses, bucket_tokens))
+    return record

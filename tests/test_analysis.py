@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from analysis import plots, theory
-from analysis.load import load, read_jsonl, run_names, setup_labels, short_number
+from analysis.load import curve, load, read_jsonl, run_names, setup_labels, short_number
 from analysis.tables import crossing_cell, equivalent_references, pair_references
 from experiments.config import c_eff, normalization_in_effect
 from tests.conftest import TINY
@@ -275,13 +275,30 @@ def test_load_takes_c_eff_and_the_normalization_from_summary_json(tiny_sweep, tm
     assert runs.c_eff.iloc[1] == 0.25 and runs.normalization.iloc[1] == "global_tokens_no_world_fix"
 
 
+@pytest.mark.parametrize("what", ["loss", "update"])
+def test_token_frequency_plots_draw_each_bucket_against_the_reference(tiny_sweep, what):
+    runs, curves = load(tiny_sweep)
+    fig = plots.token_frequency(runs, curves, what)
+    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
+    assert [ax.get_title().split()[0] for ax in panels] == ["unseen", "rare", "middle", "frequent"]
+    paired = [(r, ref) for r, ref in zip(runs.run, pair_references(runs)) if ref is not None and ref != r]
+    rare = panels[1]
+    drawn = [line for line in rare.get_lines() if line.get_gid() != "level"]  # 0 (loss) or 1 (update): no run
+    assert len(drawn) == len(paired) == 4
+    run, ref = paired[0]
+    metric = "eval/loss_rare" if what == "loss" else "train/output_update_rms_rare"
+    expected = curve(curves, run, metric) - curve(curves, ref, metric) if what == "loss" else \
+        curve(curves, run, metric) / curve(curves, ref, metric)
+    assert np.allclose(drawn[0].get_ydata(), expected.dropna().to_numpy())
+
+
 def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
     from analysis.report import main
 
     assert main([str(tiny_sweep), "--out", str(tmp_path / "report")]) == 0
     out = tmp_path / "report"
     expected = {"loss_curves", "divergence", "grad_norm_ratio", "breakdown", "lr_separation", "final_loss_heatmap",
-                "adam_state", "lr_axis"}
+                "adam_state", "lr_axis", "token_frequency_loss", "token_frequency_update"}
     assert {p.stem for p in out.glob("*.png")} == expected
     report = (out / "report.md").read_text()
     assert "## Per setup and scale" in report and report.count("| adamw |") >= 4

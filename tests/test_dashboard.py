@@ -93,13 +93,14 @@ def dry_run(sweep: Path, *extra: str) -> int:
 def test_workspace_panels_read_keys_the_runs_log(sweep, capsys):
     assert dry_run(sweep) == 0
     out = sweep / "wandb_workspace.json"
-    assert capsys.readouterr().out.startswith(f"wrote {out} (workspace: 5 sections, 9 panels;")
+    assert capsys.readouterr().out.startswith(f"wrote {out} (workspace: 6 sections, 17 panels;")
     spec = json.loads(out.read_text())
     used = set().union(*(panel_metrics(p) for p in spec_panels(spec)))
     logged = logged_keys(sweep)
     assert used <= logged, used - logged
     # the views the study needs are all there
-    assert {"train/loss", "train/grad_norm", "train/update_rms", "adam/eps_dominated_frac", "eval/loss"} <= used
+    assert {"train/loss", "train/grad_norm", "train/update_rms", "adam/eps_dominated_frac", "eval/loss",
+            "eval/loss_rare", "train/output_update_rms_rare"} <= used
     # the x axis is the logged step (W&B's own _step counts log calls: eval records would sit apart)
     assert spec["spec"]["section"]["settings"]["xAxis"] == "step"
 
