@@ -2,6 +2,7 @@
 
     python scripts/bench.py [OVERRIDES ...] [--steps 50] [--repeats 10] [--allocator N] [--sweep N]
     python scripts/bench.py [OVERRIDES ...] --memory N
+    python scripts/bench.py [OVERRIDES ...] --real-model N [--steps 5] [--against GIT_REF]
 
 In one process, on the same model (same init), batches and optimizer (the suite's AdamW, foreach), it
 times per optimizer step:
@@ -35,11 +36,19 @@ peak RSS on the CPU, torch.cuda.max_memory_allocated on CUDA, with the suite's p
 median of N, interleaved. Bytes per parameter are the slope between the two depths, so imports, data
 and the CUDA context cancel: (peak(deep) - peak(shallow)) / (parameters(deep) - parameters(shallow)).
 Its last line: memory suite/bare=<ratio> suite=<bytes/parameter> bare=<bytes/parameter> default/bare=<ratio>
+
+--real-model N measures SmolLM2-135M at 16 x 128 tokens (REAL_MODEL; OVERRIDES replace its keys) in fp32 and in
+bf16: the bare loop and the suite's (default logging), each a process of its own, 2 warm-up steps and --steps
+timed ones; each precision's 2048^3 matmul rate on the CPU, also a process of its own; interleaved, median of
+N. With --against GIT_REF the same measurements run on that commit's code (a temporary git worktree) in the
+same run, so a speed-up is a ratio taken on one machine in one sitting. Its last line:
+    real-model suite/bare_fp32=<r> suite/bare_bf16=<r> bf16/fp32_suite_tokens=<r> [fp32|bf16_suite_tokens_vs_REF=<r>]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import math
@@ -58,7 +67,9 @@ import greenlet
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# --against's measurements of an earlier commit run this script on that commit's code (a git worktree)
+CODE = Path(os.environ.get("GRADSCALE_BENCH_CODE", ROOT))
+sys.path.insert(0, str(CODE))
 
 from experiments import run  # noqa: E402  (after the path: the script runs from anywhere)
 
@@ -206,9 +217,9 @@ def median_interval(values: list[float], resamples: int = 2000, level: float = 0
     return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
-def matmul_flops(device: torch.device, n: int = 1024, repeats: int = 10) -> float:
-    """Measured fp32 matrix-multiply rate of this machine (FLOP/s), best of `repeats`."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def matmul_flops(device: torch.device, n: int = 1024, repeats: int = 10, dtype: torch.dtype = torch.float32) -> float:
+    """Measured matrix-multiply rate of this machine in `dtype` (FLOP/s), best of `repeats`."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     best = math.inf
     for _ in range(repeats + 2):
         sync(device)
@@ -275,6 +286,108 @@ MEMORY_LAYERS = (2, 6)
 MEMORY_STEPS = 4  # the Adam state exists from the first step on; the checkpoint after the second
 MEMORY_LOOPS = {"bare": bare_loop, "suite, logged every step": functools.partial(suite_loop, log_every=1),
                 "suite": suite_loop}  # logged at the config's interval: unlogged steps take one full step
+
+
+# --real-model: SmolLM2-135M at the size the issue measured, fp32 and bf16, the suite against a bare loop
+REAL_MODEL = ["model=smollm2_135m", "batch_size=16", "seq_len=128", "wandb.mode=disabled"]
+REAL_PRECISIONS = ("fp32", "bf16")
+REAL_LOOPS = {"bare": bare_loop, "suite": suite_loop}
+REAL_WARMUP, REAL_STEPS = 2, 5
+MATMUL_N = 2048
+
+
+def step_probe(loop: str, overrides: list[str], steps: int) -> tuple[float, float]:
+    """In this process: (seconds per step over `steps` timed steps after REAL_WARMUP, model FLOP/s) of `loop`."""
+    run.keep_freed_memory()
+    cfg, job = build(overrides)
+    timed = []
+
+    def clocked_zero_grad(inner=job.optimizer.zero_grad):
+        def zero_grad(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            sync(job.device)
+            timed.append(time.perf_counter())
+            return out
+        return zero_grad
+
+    job.optimizer.zero_grad = clocked_zero_grad()  # a step ends at its zero_grad, in every loop
+    REAL_LOOPS[loop](job, cfg, REAL_WARMUP + steps)
+    seconds = (timed[REAL_WARMUP + steps - 1] - timed[REAL_WARMUP - 1]) / steps
+    n_params = sum(p.numel() for p in job.model.parameters())
+    return seconds, model_flops_per_token(cfg, n_params) * cfg.batch_size * cfg.seq_len / seconds
+
+
+def real_model(overrides: list[str], repeats: int, steps: int, against: str | None) -> int:
+    """--real-model: each (code, precision, loop) a process of its own, and each precision's matmul rate,
+    interleaved, median of `repeats`; a table and the ratios side by side."""
+    codes = {"this": ROOT}
+    with contextlib.ExitStack() as stack:
+        if against:
+            codes[against] = stack.enter_context(worktree(against))
+        measured: dict[tuple, list[tuple[float, float]]] = {}
+        matmul: dict[str, list[float]] = {p: [] for p in REAL_PRECISIONS}
+        for repeat in range(repeats):
+            for precision in REAL_PRECISIONS:
+                matmul[precision].append(float(probe(ROOT, ["--matmul-probe", precision])[-1]))
+                for code, tree in codes.items():
+                    for loop in REAL_LOOPS:
+                        args = ["--step-probe", loop, "--steps", str(steps),
+                                *with_overrides(with_overrides(REAL_MODEL, [f"precision={precision}"]), overrides)]
+                        seconds, flops = map(float, probe(tree, args)[-2:])
+                        measured.setdefault((code, precision, loop), []).append((seconds, flops))
+            print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
+                f"{code} {precision} {loop} {v[-1][0]:.2f}" for (code, precision, loop), v in measured.items())
+                + " s/step", flush=True)
+    cfg = to_object_of([*REAL_MODEL, *overrides])
+    tokens = cfg.batch_size * cfg.seq_len
+    print(f"\n{cfg.model.name}, {tokens} tokens/step ({cfg.batch_size} x {cfg.seq_len}), {torch.get_num_threads()} "
+          f"threads; {REAL_WARMUP} + {steps} steps per measurement, one process each, median of {repeats}")
+    print("\n| code | precision | loop | s/step | tokens/s | model GFLOP/s | matmul GFLOP/s | of matmul |\n"
+          "|---|---|---|---|---|---|---|---|")
+    seconds = {key: statistics.median(s for s, _ in v) for key, v in measured.items()}
+    for (code, precision, loop), v in measured.items():
+        flops, rate = statistics.median(f for _, f in v), statistics.median(matmul[precision])
+        print(f"| {code} | {precision} | {loop} | {seconds[code, precision, loop]:.3f} | "
+              f"{tokens / seconds[code, precision, loop]:,.0f} | {flops / 1e9:,.0f} | {rate / 1e9:,.0f} | "
+              f"{flops / rate:.3f} |")
+    ratios = {f"suite/bare_{p}": seconds["this", p, "suite"] / seconds["this", p, "bare"] for p in REAL_PRECISIONS}
+    ratios["bf16/fp32_suite_tokens"] = seconds["this", "fp32", "suite"] / seconds["this", "bf16", "suite"]
+    if against:
+        for p in REAL_PRECISIONS:
+            ratios[f"{p}_suite_tokens_vs_{against}"] = seconds[against, p, "suite"] / seconds["this", p, "suite"]
+    print("\n(ratios of medians: suite/bare step time; the others tokens/s)")
+    print("real-model " + " ".join(f"{k}={v:.4f}" for k, v in ratios.items()))
+    return 0
+
+
+def to_object_of(overrides: list[str]):
+    from experiments.config import compose, to_object
+
+    return to_object(compose(overrides))
+
+
+def probe(tree: Path, args: list[str]) -> list[str]:
+    """This script's probe in a process of its own, on the code in `tree`; its last output line's fields."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args], cwd=tree, capture_output=True,
+                          text=True, env=os.environ | {"WANDB_MODE": "disabled", "GRADSCALE_BENCH_CODE": str(tree)})
+    if proc.returncode != 0:
+        raise SystemExit(f"error: {' '.join(args[:2])} on {tree} failed:\n{proc.stderr[-2000:]}")
+    return proc.stdout.split()
+
+
+@contextlib.contextmanager
+def worktree(ref: str):
+    """A detached git worktree of `ref` in a temporary folder, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="gradscale-bench-") as tmp:
+        tree = Path(tmp) / "code"
+        made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT, capture_output=True,
+                              text=True)
+        if made.returncode != 0:
+            raise SystemExit(f"error: --against {ref}: {made.stderr.strip().splitlines()[-1]}")
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
 
 
 def with_overrides(defaults: list[str], overrides: list[str]) -> list[str]:
@@ -344,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                                             "  python scripts/bench.py --repeats 30 --allocator 3 --sweep 3\n"
                                             "  python scripts/bench.py --memory 5")
     parser.add_argument("overrides", nargs="*", help="the suite's config overrides, e.g. model=llama3_2_1b")
-    parser.add_argument("--steps", type=int, default=50, help="timed optimizer steps per run (>= 1), after "
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (>= 1; default 50, "
+                        f"with --real-model {REAL_STEPS}), after "
                         f"{WARMUP} warm-up steps")
     parser.add_argument("--repeats", type=int, default=10, help="interleaved repeats; medians are reported")
     parser.add_argument("--allocator", type=int, default=0, metavar="N", help="also time the default run with "
@@ -355,11 +469,36 @@ def main(argv: list[str] | None = None) -> int:
                         "per parameter of the bare loop and of the suite's logged every step: the slope between "
                         f"{MEMORY_LAYERS[0]} and {MEMORY_LAYERS[1]} layers, one process per measurement, median "
                         "of N")
+    parser.add_argument("--real-model", type=int, default=0, metavar="N", help="instead, SmolLM2-135M at 16 x 128 "
+                        "tokens in fp32 and bf16: the suite against a bare loop, tokens/s and model FLOP/s against "
+                        f"the measured {MATMUL_N}^3 matmul rate of each precision, one process per measurement, "
+                        f"median of N ({REAL_WARMUP} + --steps steps each, default {REAL_STEPS})")
+    parser.add_argument("--against", metavar="GIT_REF", help="with --real-model: also measure the code of this "
+                        "commit (a git worktree), in the same run, for the ratios of this code's tokens/s to its")
     parser.add_argument("--memory-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --memory
+    parser.add_argument("--step-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --real-model
+    parser.add_argument("--matmul-probe", metavar="PRECISION", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_probe:
         print(*memory_probe(args.memory_probe, args.overrides))
         return 0
+    if args.matmul_probe:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.matmul_probe]
+        print(matmul_flops(torch.device("cpu"), MATMUL_N, dtype=dtype))
+        return 0
+    if args.step_probe:
+        print(*step_probe(args.step_probe, args.overrides, args.steps))
+        return 0
+    if args.real_model < 0:
+        parser.error(f"--real-model={args.real_model} must be >= 0")
+    if args.against and not args.real_model:
+        parser.error("--against goes with --real-model N")
+    if args.real_model:
+        steps = REAL_STEPS if args.steps is None else args.steps
+        if steps < 1:
+            parser.error(f"--steps={steps} must be >= 1")
+        return real_model(args.overrides, args.real_model, steps, args.against)
+    args.steps = 50 if args.steps is None else args.steps
     if args.steps < 1 or args.repeats < 1:
         parser.error(f"--steps={args.steps} must be >= 1 and --repeats={args.repeats} >= 1")
     if args.memory < 0:

@@ -33,6 +33,35 @@ def test_bench_runs_every_loop_and_ends_with_its_ratios(cache_dir):
 
 
 @pytest.mark.slow
+def test_bench_real_model_mode_measures_each_precision_and_loop_against_an_earlier_commit(cache_dir):
+    """--real-model on a small stand-in for SmolLM2 (the mode's overrides replace its model key by key): a process
+    per measurement, both precisions and loops, this code and HEAD's (a git worktree), and the ratios line."""
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    small = ["model=llama3_2_tiny", "model.init=random", "batch_size=8", "seq_len=32"]
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--real-model", "1", "--steps", "1", "--against", "HEAD",
+                           *small], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for code in ("this", "HEAD"):
+        for precision in ("fp32", "bf16"):
+            for loop in ("bare", "suite"):
+                assert f"| {code} | {precision} | {loop} |" in proc.stdout, proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    ratios = dict(field.split("=") for field in last.split()[1:])
+    assert last.startswith("real-model ") and set(ratios) == {
+        "suite/bare_fp32", "suite/bare_bf16", "bf16/fp32_suite_tokens", "fp32_suite_tokens_vs_HEAD",
+        "bf16_suite_tokens_vs_HEAD"}
+    assert all(float(v) > 0 for v in ratios.values())
+    listed = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "gradscale-bench-" not in listed  # the worktree is gone
+
+
+def test_bench_refuses_against_without_real_model():
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--against", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "--against goes with --real-model N" in proc.stderr
+
+
+@pytest.mark.slow
 def test_bench_memory_measures_every_loop_at_two_depths(cache_dir):
     """--memory on a narrow model: one process per loop and depth, the table, and the ratios line."""
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
