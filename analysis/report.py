@@ -24,9 +24,11 @@ from analysis.tables import (
     equivalence_table,
     measured_bands,
     pair_references,
+    seed_band_table,
     summary_table,
     theory_table,
 )
+from experiments.frequency import BUCKETS
 
 log = logging.getLogger(__name__)
 DPI = 200
@@ -96,6 +98,7 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
     theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
     eps_shares = eps_share_table(runs)
     advisor = advisor_vs_measured(runs, curves)
+    band = seed_band_table(runs, curves, ["eval/loss", *(f"eval/loss_{b}" for b in BUCKETS)])
     run_columns = ["run", "model", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]
     lines = [
@@ -119,6 +122,11 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         "train/update_rms; error = predicted / measured - 1. Step by step in advisor_vs_measured.csv.", "",
         _markdown(advisor_summary(advisor)) if len(advisor) else
         "No AdamW run beside a reference with sqrt(v_hat) histograms (adam_stats_every).", "",
+        "## Against the seed band", "",
+        "Each run's held-out loss (overall and by token-frequency bucket) minus its reference's, at the last eval, "
+        "in units of the sample standard deviation over the reference's repeats at other seeds (runs identical "
+        "but for the data order): what changing nothing but the seed does. Also in seed_band.csv.", "",
+        _markdown(band) if len(band) else "No reference repeated at two or more seeds.", "",
         "## Equivalences the theory calls exact", "",
         "SGD(lr, c) == SGD(lr*c, 1) and AdamW(c, eps) == AdamW(1, eps/c), for the pairs this sweep holds.", "",
         _markdown(equivalences) if len(equivalences) else "No such pair in this sweep.", "",
@@ -130,6 +138,8 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
     summary.to_csv(out / "summary.csv", index=False)
     if len(advisor):
         advisor.to_csv(out / "advisor_vs_measured.csv", index=False)
+    if len(band):
+        band.to_csv(out / "seed_band.csv", index=False)
     return report, written
 
 

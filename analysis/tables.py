@@ -233,3 +233,40 @@ def crossing_cell(c_values, deviations, threshold: float, side: str) -> str:
         return f"{short_number(value)} (grid point)"
     low, high = grid[grid < value].max(), grid[grid > value].min()
     return f"≈{short_number(value)} (interpolated, {short_number(low)}..{short_number(high)})"
+
+
+def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
+    """For each reference run (scale 1, fix on), the reference runs identical to it in everything but the seed,
+    itself included: the repeats whose spread is what changing nothing but the data order does."""
+    keys = [k for k in PAIRING_KEYS if k != "seed"]
+    references = runs[is_reference(runs)]
+    groups: dict[tuple, list[str]] = {}
+    for _, r in references.iterrows():
+        groups.setdefault(tuple(_key(r[k]) for k in keys), []).append(r["run"])
+    return {run: group for group in groups.values() for run in group}
+
+
+def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+    """Every run against its reference, read in units of the seed band: at the last step both logged `metric`,
+    the difference run - reference, the sample standard deviation of the metric over the reference's seed
+    siblings there (at least 2 seeds), and the difference in units of it; also the largest |difference| / std
+    over all the steps they share. Rows only where the band exists."""
+    siblings = seed_siblings(runs)
+    rows = []
+    for r, reference in zip(runs.itertuples(), pair_references(runs)):
+        if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
+            continue
+        for metric in metrics:
+            seeds = pd.concat({s: curve(curves, s, metric) for s in siblings[reference]}, axis=1).dropna()
+            delta = (curve(curves, r.run, metric) - curve(curves, reference, metric)).dropna()
+            steps = seeds.index.intersection(delta.index)
+            if steps.empty:
+                continue
+            spread = seeds.loc[steps].std(axis=1, ddof=1)
+            last = steps[-1]
+            rows.append({"run": r.run, "setup": r.setup, "c_eff": r.c_eff, "metric": metric, "step": int(last),
+                         "difference": delta[last], "seed std": spread[last], "seeds": seeds.shape[1],
+                         "difference / std": delta[last] / spread[last],
+                         "max |difference| / std": (delta[steps].abs() / spread).max()})
+    return pd.DataFrame(rows, columns=["run", "setup", "c_eff", "metric", "step", "difference", "seed std", "seeds",
+                                       "difference / std", "max |difference| / std"])

@@ -403,3 +403,25 @@ def test_tensor_groups(name, group):
     from analysis.theory import tensor_group
 
     assert tensor_group(name) == group
+
+
+def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
+    from analysis.tables import seed_band_table, seed_siblings
+
+    runs, curves = synthetic(c_values=(1.0, 0.125), optimizers=("adamw",))
+    fixed = runs.iloc[0]
+    repeats = pd.DataFrame([{**fixed.to_dict(), "run": f"seed{s}", "seed": s} for s in (1, 2)])
+    runs = pd.concat([runs, repeats], ignore_index=True)
+    # eval/loss at steps 0..4: the seed-0 reference, two repeats 0.02 above and below, the bug run 0.05 above
+    rows = [(name, step, "eval/loss", 3.0 - 0.1 * step + offset) for step in range(5) for name, offset in
+            (("adamw-0.001-1", 0.0), ("seed1", 0.02), ("seed2", -0.02), ("adamw-0.001-0.125", 0.05))]
+    curves = pd.concat([curves, pd.DataFrame(rows, columns=curves.columns)], ignore_index=True)
+    assert sorted(seed_siblings(runs)["adamw-0.001-1"]) == ["adamw-0.001-1", "seed1", "seed2"]
+    band = seed_band_table(runs, curves, ["eval/loss", "eval/loss_rare"])  # no bucket curves: no row for it
+    assert len(band) == 1
+    row = band.iloc[0]
+    assert row.run == "adamw-0.001-0.125" and row.step == 4 and row.seeds == 3
+    assert row.difference == pytest.approx(0.05) and row["seed std"] == pytest.approx(0.02)
+    assert row["difference / std"] == pytest.approx(2.5) and row["max |difference| / std"] == pytest.approx(2.5)
+    # one seed only: no band, no rows
+    assert seed_band_table(runs[~runs.run.isin(["seed1", "seed2"])], curves, ["eval/loss"]).empty
