@@ -7,6 +7,7 @@ curves table: long form (run, step, metric, value), from metrics.jsonl
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -42,10 +43,15 @@ def run_dirs(paths: list[str | Path]) -> list[Path]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSONL file; a torn last line (a run killed mid-write) is skipped."""
-    if not path.exists():
+    """Records of a JSONL file, or of its gzip beside it (PATH.gz: how a kept study stores its large Adam
+    statistics); a torn last line (a run killed mid-write) is skipped."""
+    packed = path.with_name(path.name + ".gz")
+    if path.exists():
+        lines = path.read_text().splitlines()
+    elif packed.exists():
+        lines = gzip.decompress(packed.read_bytes()).decode().splitlines()
+    else:
         return []
-    lines = path.read_text().splitlines()
     records = []
     for i, line in enumerate(lines):
         try:

@@ -425,3 +425,15 @@ def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
     assert row["difference / std"] == pytest.approx(2.5) and row["max |difference| / std"] == pytest.approx(2.5)
     # one seed only: no band, no rows
     assert seed_band_table(runs[~runs.run.isin(["seed1", "seed2"])], curves, ["eval/loss"]).empty
+
+
+def test_read_jsonl_reads_a_gzipped_file_beside_the_name(tmp_path):
+    import gzip
+
+    records = [{"step": 0, "x": 1.5}, {"step": 1, "x": 2.5}]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "adam_stats.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    assert read_jsonl(tmp_path / "adam_stats.jsonl") == records
+    (tmp_path / "adam_stats.jsonl").write_text(text + '{"step": 2, "x"')  # the plain file wins; torn line skipped
+    assert read_jsonl(tmp_path / "adam_stats.jsonl") == records
+    assert read_jsonl(tmp_path / "missing.jsonl") == []

@@ -108,3 +108,30 @@ def test_study_script_names_the_studies_on_a_bad_name():
     proc = subprocess.run(["scripts/study.sh", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[0] == f"error: study 'nope' is not one of: {' '.join(PRESETS)}"
+
+
+def test_keep_runs_stages_only_finished_runs_with_their_adam_statistics_gzipped(tmp_path):
+    import gzip
+
+    repo = tmp_path / "repo"
+    sweep = repo / "studies" / "s"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text("studies/**/checkpoint*\n")
+    for name, status in (("0_seed=0", "completed"), ("1_fix=false", None)):
+        run = sweep / name
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text('{"step": 0}\n')
+        (run / "adam_stats.jsonl").write_text('{"step": 0, "eps": 1e-08}\n')
+        (run / "checkpoint.pt").write_bytes(b"weights")
+        if status:
+            (run / "summary.json").write_text(json.dumps({"status": status}))
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    proc = subprocess.run([str(ROOT / "scripts" / "keep_runs.sh"), str(sweep)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    staged = subprocess.run(["git", "-C", str(repo), "diff", "--cached", "--name-only"], capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert sorted(staged) == ["studies/s/0_seed=0/adam_stats.jsonl.gz", "studies/s/0_seed=0/metrics.jsonl",
+                              "studies/s/0_seed=0/summary.json", "studies/s/multirun.yaml"]
+    assert gzip.decompress((sweep / "0_seed=0" / "adam_stats.jsonl.gz").read_bytes()).startswith(b'{"step": 0')
+    assert (sweep / "1_fix=false" / "adam_stats.jsonl").exists()  # the unfinished run is left as it is
