@@ -247,13 +247,18 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
 
 
 def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
-    """Every run against its reference, read in units of the seed band: at the last step both logged `metric`,
+    """Every run against its reference (or the run the theory calls it equal to), read in units of the seed
+    band: at the last step both logged `metric`,
     the difference run - reference, the sample standard deviation of the metric over the reference's seed
     siblings there (at least 2 seeds), and the difference in units of it; also the largest |difference| / std
     over all the steps they share. Rows only where the band exists."""
     siblings = seed_siblings(runs)
+    # the reference: the same run at scale 1 with the fix on, else the c_eff = 1 run the theory calls it equal
+    # to (an eps / N repair of the bug: AdamW(c, eps) == AdamW(1, eps / c))
+    equivalents = dict(zip(*equivalent_references(runs)[["run", "equivalent"]].to_numpy().T)) if len(runs) else {}
     rows = []
-    for r, reference in zip(runs.itertuples(), pair_references(runs)):
+    for r, paired in zip(runs.itertuples(), pair_references(runs)):
+        reference = paired if paired is not None else equivalents.get(r.run)
         if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
             continue
         for metric in metrics:

@@ -25,10 +25,11 @@ class TokenBuckets:
     output_weight: torch.Tensor | None  # the output matrix [vocab, hidden]; None: its rows are not measured
 
     @classmethod
-    def of(cls, train_targets: torch.Tensor, vocab_size: int, output_weight: torch.Tensor | None) -> TokenBuckets:
+    def of(cls, train_targets: torch.Tensor, vocab_size: int, output_weight: torch.Tensor | None,
+           device: torch.device) -> TokenBuckets:
         trained = train_targets[train_targets != IGNORE_INDEX]
         counts = torch.bincount(trained.flatten(), minlength=vocab_size)[:vocab_size]
-        return cls(torch.bucketize(counts, torch.tensor(BUCKET_EDGES), right=True), output_weight)
+        return cls(torch.bucketize(counts, torch.tensor(BUCKET_EDGES), right=True).to(device), output_weight)
 
     def loss_record(self, loss_sums: torch.Tensor, token_counts: torch.Tensor) -> dict[str, float]:
         """eval/loss_<bucket> (token mean) and eval/tokens_<bucket>, from per-bucket sums (bucket_sums)."""
@@ -43,7 +44,7 @@ class TokenBuckets:
     def bucket_sums(self, token_losses: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per bucket: the summed token losses and the number of trained targets."""
         trained = targets != IGNORE_INDEX
-        bucket = self.of_token.to(targets.device)[targets[trained]]
+        bucket = self.of_token[targets[trained]]
         sums = torch.zeros(len(BUCKETS), device=targets.device).index_add_(0, bucket, token_losses[trained].float())
         return sums, torch.bincount(bucket, minlength=len(BUCKETS))
 
@@ -51,12 +52,12 @@ class TokenBuckets:
         return None if self.output_weight is None else self.output_weight.detach().clone()
 
     def row_update_record(self, before: torch.Tensor) -> dict[str, float]:
-        """train/output_update_rms_<bucket>: RMS over the bucket's rows' coordinates of this step's update."""
-        squares = (self.output_weight.detach() - before).square().sum(1)
-        of_row = self.of_token.to(squares.device)
+        """train/output_update_rms_<bucket>: RMS over the bucket's rows' coordinates of this step's update.
+        In place in `before`: the copy is the only extra output matrix an eval step holds."""
+        squares = before.sub_(self.output_weight.detach()).square_().sum(1)
         record = {}
         for i, name in enumerate(BUCKETS):
-            in_bucket = of_row == i
+            in_bucket = self.of_token == i
             if in_bucket.any():
                 record[f"train/output_update_rms_{name}"] = float(
                     (squares[in_bucket].sum() / (in_bucket.sum() * before.shape[1])).sqrt())

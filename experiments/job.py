@@ -81,18 +81,18 @@ def build_job(cfg: Config, world_size: int | None = None, batches: Batches | Non
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
     return Job(net, optimizer, batches, build_pipeline(cfg, ranks.world_size), ranks, device, autocast,
-               build_buckets(net, batches, cfg.dist.strategy if ranks.real else None))
+               build_buckets(net, batches, ranks, device))
 
 
-def build_buckets(net: torch.nn.Module, batches: Batches, strategy: str | None) -> TokenBuckets:
+def build_buckets(net: torch.nn.Module, batches: Batches, ranks: Ranks, device: torch.device) -> TokenBuckets:
     """Token buckets by the training split's target counts; the output rows are measured where they are one
-    whole, trained tensor on this rank (not FSDP2's shards, not a frozen LoRA base)."""
-    while hasattr(net, "module") or hasattr(net, "_orig_mod"):  # DDP's and torch.compile's wrappers
-        net = getattr(net, "module", None) or net._orig_mod
+    whole, trained tensor on this rank (not FSDP2's shards, not a frozen LoRA base). An eval step then holds
+    one copy of the output matrix (vocabulary x hidden, fp32) through its optimizer step."""
+    while isinstance(net, torch.nn.parallel.DistributedDataParallel) or hasattr(net, "_orig_mod"):
+        net = net.module if isinstance(net, torch.nn.parallel.DistributedDataParallel) else net._orig_mod  # compile
     output = net.get_output_embeddings()
-    vocab_size = output.weight.shape[0]
-    weight = output.weight if output.weight.requires_grad and strategy != "fsdp2" else None
-    return TokenBuckets.of(batches.train.targets, vocab_size, weight)
+    weight = output.weight if output.weight.requires_grad and not ranks.sharded else None
+    return TokenBuckets.of(batches.train.targets, output.weight.shape[0], weight, device)
 
 
 def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | None = None) -> dict[str, Any]:

@@ -27,6 +27,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RECIPE_VERSION = "1"  # bump when the corpus extraction or the recipe below changes
+
+
 def base_digest(model_cfg, files: tuple[Path, ...]) -> str:
     from importlib import metadata
 

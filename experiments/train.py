@@ -218,12 +218,12 @@ def evaluate(model, batches: Batches, max_batches: int, autocast, device, bucket
     loss_sum, tokens = torch.zeros((), device=device), 0
     bucket_losses = bucket_tokens = 0
     for inputs, targets in batches.eval_batches(max_batches):
+        tokens += count_trained_tokens(targets)  # on the host: no device sync
         targets = targets.to(device)
         with autocast:
             logits = model(input_ids=inputs.to(device)).logits
         losses = token_losses(logits, targets)
         loss_sum += losses.sum(1).sum()  # as token_loss_sum adds: the same bits
-        tokens += count_trained_tokens(targets)
         if buckets is not None:
             sums, counts = buckets.bucket_sums(losses, targets)
             bucket_losses, bucket_tokens = bucket_losses + sums, bucket_tokens + counts

@@ -289,7 +289,7 @@ MEMORY_LOOPS = {"bare": bare_loop, "suite, logged every step": functools.partial
 
 
 # --real-model: SmolLM2-135M at the size the issue measured, fp32 and bf16, the suite against a bare loop
-REAL_MODEL = ["model=smollm2_135m", "batch_size=16", "seq_len=128", "wandb.mode=disabled"]
+REAL_MODEL = ["model=smollm2_135m", "batch_size=16", "seq_len=128", "device=cpu", "wandb.mode=disabled"]
 REAL_PRECISIONS = ("fp32", "bf16")
 REAL_LOOPS = {"bare": bare_loop, "suite": suite_loop}
 REAL_WARMUP, REAL_STEPS = 2, 5
@@ -338,7 +338,7 @@ def real_model(overrides: list[str], repeats: int, steps: int, against: str | No
             print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
                 f"{code} {precision} {loop} {v[-1][0]:.2f}" for (code, precision, loop), v in measured.items())
                 + " s/step", flush=True)
-    cfg = to_object_of([*REAL_MODEL, *overrides])
+    cfg = to_object_of(with_overrides(REAL_MODEL, overrides))
     tokens = cfg.batch_size * cfg.seq_len
     print(f"\n{cfg.model.name}, {tokens} tokens/step ({cfg.batch_size} x {cfg.seq_len}), {torch.get_num_threads()} "
           f"threads; {REAL_WARMUP} + {steps} steps per measurement, one process each, median of {repeats}")
@@ -383,11 +383,13 @@ def worktree(ref: str):
         made = subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], cwd=ROOT, capture_output=True,
                               text=True)
         if made.returncode != 0:
-            raise SystemExit(f"error: --against {ref}: {made.stderr.strip().splitlines()[-1]}")
+            reason = (made.stderr.strip() or "git worktree add failed").splitlines()[-1]
+            raise SystemExit(f"error: --against {ref}: {reason}")
         try:
             yield tree
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
+            subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True)  # and any a killed run left
 
 
 def with_overrides(defaults: list[str], overrides: list[str]) -> list[str]:

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     dest.parent.mkdir(parents=True, exist_ok=True)
     print(f"device_carry: fetching {len(wanted)} wheels for Python {PYTHON} on manylinux x86-64 into {dest} "
           "(about 10 s; a source-only package is built)", flush=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f".{dest.name}.") as tmp:
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=f"{dest.name}.tmp") as tmp:  # .whl.tmp*: ignored
         staging = Path(tmp) / "wheels"
         staging.mkdir()
         wheels = [fetch(requirement, staging) for requirement in wanted]

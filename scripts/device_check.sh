@@ -47,6 +47,7 @@ fi
 # the carry first: a folder on PYTHONPATH, so the image's own packages stay as they are
 if ls "$carry"/*.whl >/dev/null 2>&1; then
   site=$(mktemp -d "${TMPDIR:-/tmp}/gradscale-carry.XXXXXX")
+  trap 'rm -rf "$site"' EXIT
   if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
       "$carry"/*.whl; then
     echo "error: installing the carry ($carry/*.whl) failed; rebuild it: python scripts/device_carry.py" >&2
@@ -80,9 +81,24 @@ fi
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 summary=$out/summary.txt
+[ -z "$only" ] && : >"$summary"  # a rerun of some parts (--only) adds to the summary of the first run
+
+# the device tool brings back at most 8 files, 2 folders down: the summary and one archive of the rest, copied
+# there however the script ends (a part's failure, the deadline, the tool's own time limit)
+deliver() {
+  [ -n "${site:-}" ] && rm -rf "$site"
+  if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ "$(cd "$OUT" && pwd)" != "$out" ]; then
+    cp "$summary" "$OUT/summary.txt"
+    tar -czf "$OUT/.device_check.tar.gz.part" -C "$(dirname "$out")" --exclude='*.safetensors' --exclude='*.pt' \
+      --exclude='*.bin' --exclude='checkpoint*' "$(basename "$out")" && \
+      mv "$OUT/.device_check.tar.gz.part" "$OUT/device_check.tar.gz"
+    echo "copied to $OUT: summary.txt, device_check.tar.gz ($(du -h "$OUT/device_check.tar.gz" | cut -f1))"
+  fi
+}
+trap deliver EXIT
 if [ $rehearse = 1 ]; then
   device=cpu
-  echo "device: cpu (rehearsal) | torch $("$PY" -c 'import torch; print(torch.__version__)')" | tee "$summary"
+  echo "device: cpu (rehearsal) | torch $("$PY" -c 'import torch; print(torch.__version__)')" | tee -a "$summary"
   shrink=(smoke=on)  # a few tiny steps per job, a small base of its own
   # llama3_2_1b's vocabulary and config path at a width the CPU trains in seconds
   size_1b=(steps=3 log_every=1 eval_every=3 batch_size=8 seq_len=32 model.hidden_size=64 model.intermediate_size=128
@@ -90,7 +106,7 @@ if [ $rehearse = 1 ]; then
   bench=(smoke=on --steps 2 --repeats 1)
 else
   device=cuda
-  "$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)' | tee "$summary"
+  "$PY" -c 'import torch; print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)' | tee -a "$summary"
   shrink=() size_1b=(steps=20 log_every=1 eval_every=20) bench=(--steps 20 --repeats 3)
 fi
 export WANDB_MODE=disabled HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the device reaches no hub
@@ -107,7 +123,7 @@ part() {
   if [ $left -lt 10 ]; then echo "$name: not run (the 8-minute deadline was reached)" | tee -a "$summary"; failed=1; return; fi
   [ $limit -gt $left ] && limit=$left
   echo "== $name (limit ${limit}s)"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout -k 15 "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   local status=ok
   if [ $rc -eq 124 ]; then status="timed out"; elif [ $rc -ne 0 ]; then status="failed (rc $rc)"; fi
@@ -158,13 +174,5 @@ for (study, optimizer), runs in sorted(norms.items()):
               f"final loss fix on {on_loss:.4f}, off {off_loss:.4f}, difference {abs(on_loss - off_loss):.3g}")
 EOF
 echo "total: $SECONDS s" | tee -a "$summary"
-
-# the device tool brings back at most 8 files, 2 folders down: the summary and one archive of the rest
-if [ -n "${OUT:-}" ] && [ "$(cd "$OUT" 2>/dev/null && pwd)" != "$out" ]; then
-  cp "$summary" "$OUT/summary.txt"
-  tar -czf "$OUT/device_check.tar.gz" -C "$(dirname "$out")" --exclude='*.safetensors' --exclude='*.pt' \
-    --exclude='*.bin' --exclude='checkpoint*' "$(basename "$out")"
-  echo "copied to $OUT: summary.txt, device_check.tar.gz ($(du -h "$OUT/device_check.tar.gz" | cut -f1))"
-fi
 echo "results: $out"
 exit $failed

@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     for i in range(args.warmup):
         step(i)
+    bench.sync(job.device)
     started = time.perf_counter()
     for i in range(args.warmup, args.warmup + args.timed):
         step(i)
+    bench.sync(job.device)
     print(f"{(time.perf_counter() - started) / args.timed:.3f} s per step", flush=True)
     with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if job.device.type == "cuda" else [])],
                  record_shapes=True) as prof:

@@ -423,6 +423,13 @@ def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
     assert row.run == "adamw-0.001-0.125" and row.step == 4 and row.seeds == 3
     assert row.difference == pytest.approx(0.05) and row["seed std"] == pytest.approx(0.02)
     assert row["difference / std"] == pytest.approx(2.5) and row["max |difference| / std"] == pytest.approx(2.5)
+    # an eps / N repair of the bug is read against the run the theory calls it equal to
+    repair = {**runs.iloc[1].to_dict(), "run": "repair", "eps": 1.25e-9}
+    runs = pd.concat([runs, pd.DataFrame([repair])], ignore_index=True)
+    curves = pd.concat([curves, pd.DataFrame([("repair", step, "eval/loss", 3.0 - 0.1 * step + 0.001)
+                                              for step in range(5)], columns=curves.columns)], ignore_index=True)
+    band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
+    assert band.loc["repair", "difference / std"] == pytest.approx(0.05)
     # one seed only: no band, no rows
     assert seed_band_table(runs[~runs.run.isin(["seed1", "seed2"])], curves, ["eval/loss"]).empty
 

@@ -42,6 +42,7 @@ def test_docstrings_dataset_is_the_standard_librarys_docstrings():
     prompts = {e["prompt"] for e in examples}
     assert "Write the docstring of the module json." in prompts
     assert "Write the docstring of the function dumps in the module json." in prompts
+    assert "Write the docstring of the function JSONEncoder.default in the module json.encoder." in prompts  # methods
     import json as json_module
 
     response = next(e["response"] for e in examples if e["prompt"].endswith("function dumps in the module json."))

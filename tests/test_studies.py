@@ -8,6 +8,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -51,7 +52,7 @@ def run_preset(name: str, sweep_dir, cache_dir, *extra: str) -> subprocess.Compl
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
     return subprocess.run(
         ["scripts/study.sh", name, "smoke=on", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**env, "STUDY_DIR": str(sweep_dir), "PYTHON": os.environ.get("PYTHON", __import__("sys").executable)},
+        env={**env, "STUDY_DIR": str(sweep_dir), "PYTHON": os.environ.get("PYTHON", sys.executable)},
     )
 
 
@@ -117,21 +118,28 @@ def test_keep_runs_stages_only_finished_runs_with_their_adam_statistics_gzipped(
     sweep = repo / "studies" / "s"
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     (repo / ".gitignore").write_text("studies/**/checkpoint*\n")
-    for name, status in (("0_seed=0", "completed"), ("1_fix=false", None)):
+    # finished; running (a checkpoint, no summary); killed by SIGTERM (failed, its checkpoint kept to resume)
+    for name, status in (("0_seed=0", "completed"), ("1_fix=false", None), ("2_seed=1", "failed")):
         run = sweep / name
         run.mkdir(parents=True)
         (run / "metrics.jsonl").write_text('{"step": 0}\n')
         (run / "adam_stats.jsonl").write_text('{"step": 0, "eps": 1e-08}\n')
-        (run / "checkpoint.pt").write_bytes(b"weights")
+        (run / "notes.txt").write_text("not read by the analysis")
         if status:
             (run / "summary.json").write_text(json.dumps({"status": status}))
+        if status != "completed":
+            (run / "checkpoint.pt").write_bytes(b"weights")
     (sweep / "multirun.yaml").write_text("hydra: {}\n")
     proc = subprocess.run([str(ROOT / "scripts" / "keep_runs.sh"), str(sweep)], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stderr
     staged = subprocess.run(["git", "-C", str(repo), "diff", "--cached", "--name-only"], capture_output=True,
                             text=True, check=True).stdout.split()
     assert sorted(staged) == ["studies/s/0_seed=0/adam_stats.jsonl.gz", "studies/s/0_seed=0/metrics.jsonl",
                               "studies/s/0_seed=0/summary.json", "studies/s/multirun.yaml"]
     assert gzip.decompress((sweep / "0_seed=0" / "adam_stats.jsonl.gz").read_bytes()).startswith(b'{"step": 0')
-    assert (sweep / "1_fix=false" / "adam_stats.jsonl").exists()  # the unfinished run is left as it is
+    assert (sweep / "1_fix=false" / "adam_stats.jsonl").exists()  # the unfinished runs are left as they are
+    assert (sweep / "2_seed=1" / "adam_stats.jsonl").exists()
+    ignored = subprocess.run([str(ROOT / "scripts" / "keep_runs.sh"), str(tmp_path)], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert ignored.returncode == 2 and "not a folder git keeps" in ignored.stderr  # outside the repository
