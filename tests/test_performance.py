@@ -33,26 +33,40 @@ def test_bench_runs_every_loop_and_ends_with_its_ratios(cache_dir):
 
 
 @pytest.mark.slow
-def test_bench_real_model_mode_measures_each_precision_and_loop_against_an_earlier_commit(cache_dir):
+def test_bench_real_model_mode_measures_each_precision_and_loop(cache_dir):
     """--real-model on a small stand-in for SmolLM2 (the mode's overrides replace its model key by key): a process
-    per measurement, both precisions and loops, this code and HEAD's (a git worktree), and the ratios line."""
+    per measurement, both precisions and loops, and the ratios line."""
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
     small = ["model=llama3_2_tiny", "model.init=random", "batch_size=8", "seq_len=32"]
-    proc = subprocess.run([sys.executable, "scripts/bench.py", "--real-model", "1", "--steps", "1", "--against", "HEAD",
-                           *small], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "scripts/bench.py", "--real-model", "1", "--steps", "1", *small], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for code in ("this", "HEAD"):
-        for precision in ("fp32", "bf16"):
-            for loop in ("bare", "suite"):
-                assert f"| {code} | {precision} | {loop} |" in proc.stdout, proc.stdout
+    for precision in ("fp32", "bf16"):
+        for loop in ("bare", "suite"):
+            assert f"| this | {precision} | {loop} |" in proc.stdout, proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
     ratios = dict(field.split("=") for field in last.split()[1:])
-    assert last.startswith("real-model ") and set(ratios) == {
-        "suite/bare_fp32", "suite/bare_bf16", "bf16/fp32_suite_tokens", "fp32_suite_tokens_vs_HEAD",
-        "bf16_suite_tokens_vs_HEAD"}
+    assert last.startswith("real-model ") and set(ratios) == {"suite/bare_fp32", "suite/bare_bf16",
+                                                              "bf16/fp32_suite_tokens"}
     assert all(float(v) > 0 for v in ratios.values())
+
+
+def test_bench_against_measures_an_earlier_commit_in_a_worktree_it_removes():
+    """--against's code: a git worktree of the commit, on which this script's probe imports that commit's code."""
+    bench = load_bench()
+    with bench.worktree("HEAD") as tree:
+        assert (tree / "experiments" / "train.py").is_file()
+        probe = subprocess.run([sys.executable, "-c", "import sys, os; sys.path.insert(0, os.environ["
+                                "'GRADSCALE_BENCH_CODE']); import experiments; print(experiments.__file__)"],
+                               cwd=tree, env={**os.environ, "GRADSCALE_BENCH_CODE": str(tree)}, capture_output=True,
+                               text=True, timeout=60)
+        assert probe.stdout.strip() == str(tree / "experiments" / "__init__.py")
+    assert not tree.exists()
     listed = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert "gradscale-bench-" not in listed  # the worktree is gone
+    assert "gradscale-bench-" not in listed
+    with pytest.raises(SystemExit, match="error: --against no-such-ref"):
+        with bench.worktree("no-such-ref"):
+            pass
 
 
 def test_bench_refuses_against_without_real_model():
