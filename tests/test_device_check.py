@@ -7,7 +7,6 @@ before any part when a wheel of the carry is missing."""
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,21 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import OFFLINE_ENV, TINY
+from tests.conftest import OFFLINE_ENV, TINY, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CARRY = ROOT / ".whl"
 REHEARSAL_PYTHON = ROOT / ".rehearsal" / "bin" / "python"
 
 
-def load_device_carry():
-    spec = importlib.util.spec_from_file_location("device_carry", ROOT / "scripts" / "device_carry.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-device_carry = load_device_carry()
+device_carry = load_script("device_carry")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the check itself")

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from tests.conftest import CONF, ROOT, compose
+from tests.conftest import CONF, ROOT, compose, load_script
 
 GROUPS = ("optimizer", "model", "data", "finetune", "normalization", "experiment", "smoke", "hydra/launcher")
 
@@ -95,10 +95,7 @@ def parser_of(main) -> argparse.ArgumentParser:
 
 
 def _script_main(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_script(name).main
 
 
 COMMANDS = {

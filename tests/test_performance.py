@@ -4,7 +4,6 @@ freed CPU memory stays in the process.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -15,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from experiments.run import GLIBC_MALLOC_ENV
-from tests.conftest import OFFLINE_ENV, ROOT
+from tests.conftest import OFFLINE_ENV, ROOT, load_script
 
 
 @pytest.mark.slow
@@ -158,10 +157,7 @@ def test_cpu_quantiles_are_torch_quantiles(n):
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench")
 
 
 class FakeOptimizer:
