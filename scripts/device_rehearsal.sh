@@ -26,8 +26,9 @@ if [ ! -f "$stamp" ]; then
     print requirement }' scripts/device_image.txt)
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${requirements[@]}" 2>&1 \
     | { grep -v "^WARNING: Location" || true; }
-  if [ "${PIPESTATUS[0]}" != 0 ] || ! "$venv/bin/python" -c "import torch, transformers, accelerate, huggingface_hub,
-tokenizers, safetensors, numpy, pandas, matplotlib, peft, yaml, packaging, pytest, jinja2, tqdm"; then
+  modules="torch, transformers, accelerate, huggingface_hub, tokenizers, safetensors, numpy, pandas, matplotlib, peft"
+  if [ "${PIPESTATUS[0]}" != 0 ] || ! "$venv/bin/python" -c "import $modules, yaml, packaging, pytest, jinja2, tqdm"
+  then
     echo "error: building $venv failed (pip install ${requirements[*]})" >&2
     exit 1
   fi
