@@ -31,6 +31,8 @@ from analysis.load import curve, read_jsonl, short_number
 from analysis.tables import pair_references
 from analysis.theory import tensor_group
 from experiments.optim import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
+from experiments.optimizers import advisable
+from experiments.optimizers import entry as optimizer_entry
 from experiments.sweep import render_table
 
 WITHIN = 0.99  # update-RMS ratio at or above: "within 1%"
@@ -107,10 +109,10 @@ def load_histograms(run_dir: Path) -> tuple[float, dict[int, dict[str, Histogram
     if not run_dir.is_dir():
         raise AdviseError(f"error: run folder {str(run_dir)!r} does not exist")
     optimizer = _optimizer_name(run_dir)
-    if optimizer not in (None, "adamw"):
+    if optimizer is not None and optimizer not in advisable():
         raise AdviseError(f"error: {run_dir} trained with optimizer={optimizer}; the advisor predicts eps's effect "
-                          "on AdamW's update (optimizer=adamw): sgd feels every factor c exactly, adam_atan2 and "
-                          "lion none")
+                          f"on Adam's update (optimizer={' or '.join(advisable())}): {optimizer}'s scale rule is "
+                          f"{optimizer_entry(optimizer).scale_rule.kind} (docs/design.md)")
     records = [r for r in read_jsonl(run_dir / "adam_stats.jsonl") if "hist_bins" in r]
     if not records:
         raise AdviseError(f"error: {run_dir} has no sqrt(v_hat) histograms in adam_stats.jsonl (an AdamW run with "
@@ -173,7 +175,7 @@ def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFram
     rows = []
     for i, r in zip(runs.index, runs.itertuples()):
         ref = references[i]
-        if ref is None or r.optimizer != "adamw" or np.isclose(r.c_eff, 1.0):
+        if ref is None or r.optimizer not in advisable() or np.isclose(r.c_eff, 1.0):
             continue
         if ref not in histograms:
             try:
@@ -216,7 +218,7 @@ def predicted_onsets(runs: pd.DataFrame) -> dict[str, float]:
     """setup -> c where the advisor, from its c = 1 reference's first recorded histogram, predicts a 1% update
     cut: the mark on the breakdown figure."""
     onsets = {}
-    for r in runs[(runs.optimizer == "adamw") & np.isclose(runs.c_eff, 1.0)].itertuples():
+    for r in runs[runs.optimizer.isin(advisable()) & np.isclose(runs.c_eff, 1.0)].itertuples():
         try:
             eps, steps = load_histograms(Path(r.path))
         except AdviseError:

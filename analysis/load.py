@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from experiments.config import c_eff, normalization_in_effect
+from experiments.optimizers import entry as optimizer_entry
+from experiments.recipes import c_eff, normalization_in_effect
 from experiments.sweep import job_dirs, job_overrides
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
+def _eps(optimizer_cfg) -> float:
+    """The eps that the optimizer's scale rule compares sqrt(v_hat) with (NaN: none, as for SGD or Lion)."""
+    key = optimizer_entry(optimizer_cfg.name).scale_rule.eps_key
+    value = optimizer_cfg.get(key) if key else None
+    return float(value) if value is not None else float("nan")
+
+
 def _run_row(run_dir: Path, name: str) -> dict:
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     summary_file = run_dir / "summary.json"
@@ -79,7 +87,7 @@ def _run_row(run_dir: Path, name: str) -> dict:
         "finetune": OmegaConf.select(cfg, "finetune.name", default="full"),
         "model": model_label(cfg.model),
         "lr": float(opt.lr),
-        "eps": float(opt.eps) if "eps" in opt else float("nan"),
+        "eps": _eps(opt),
         "weight_decay": float(opt.weight_decay),
         "scale": float(cfg.scale),
         "fix": bool(cfg.fix),

@@ -14,15 +14,9 @@ import numpy as np
 import pandas as pd
 
 from analysis.load import curve, read_jsonl, short_number
-from analysis.theory import (
-    adamw_equivalent_eps,
-    breakdown_band,
-    clipping_band,
-    crossing,
-    sgd_equivalent_lr,
-    share_below,
-    tensor_group,
-)
+from analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group, twin_value
+from experiments.optimizers import entry as optimizer_entry
+from experiments.recipes import with_fix
 
 # Columns that make two runs "the same experiment" apart from the studied factor.
 PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
@@ -44,8 +38,8 @@ def pair_references(runs: pd.DataFrame) -> pd.Series:
 
 
 def _recipe_up_to_c(runs: pd.DataFrame) -> pd.DataFrame:
-    """The pre-fix recipe differs from global_tokens only by the factor c_eff already carries."""
-    return runs.assign(normalization=runs.normalization.replace("global_tokens_no_world_fix", "global_tokens"))
+    """A recipe without the fix differs from its recipe with it only by the factor c_eff already carries."""
+    return runs.assign(normalization=runs.normalization.map(with_fix))
 
 
 def _key(value):
@@ -82,28 +76,39 @@ def one_percent_thresholds(runs: pd.DataFrame) -> dict[tuple[str, float], float]
 
 def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
     """Pairs that the theory says train identically (docs/design.md physics 2-3), with c_eff != 1 on one side:
-    SGD(lr, c) == SGD(lr*c, 1) without weight decay, AdamW(c, eps) == AdamW(1, eps/c); neither with
-    clipping. Columns: run, equivalent (the c_eff = 1 run), rule."""
+    each optimizer's twin rule (experiments/optimizers/: SGD(lr, c) == SGD(lr*c, 1) without weight decay,
+    AdamW(c, eps) == AdamW(1, eps/c)); none with clipping. Columns: run, equivalent (the c_eff = 1 run), rule."""
     keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]
     runs = _recipe_up_to_c(runs)
     unit = runs[np.isclose(runs.c_eff, 1.0)]
     rows = []
-    for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna() & (runs.weight_decay == 0)].itertuples():
-        if r.optimizer == "sgd":
-            lr = sgd_equivalent_lr(r.lr, r.c_eff)
-            match = np.isclose(unit.lr, lr, rtol=1e-6, atol=0) & unit.eps.isna()
-            rule = f"SGD(lr={short_number(r.lr)}, c={short_number(r.c_eff)}) == SGD(lr={short_number(lr)}, c=1)"
-        elif r.optimizer == "adamw":
-            eps = adamw_equivalent_eps(r.eps, r.c_eff)
-            match = np.isclose(unit.eps, eps, rtol=1e-6, atol=0) & (unit.lr == r.lr)
-            rule = (f"AdamW(c={short_number(r.c_eff)}, eps={short_number(r.eps)}) == "
-                    f"AdamW(c=1, eps={short_number(eps)})")
-        else:
+    for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna()].itertuples():
+        optimizer = optimizer_entry(r.optimizer)
+        rule = optimizer.scale_rule
+        if not rule.twin or (rule.twin_needs_no_weight_decay and r.weight_decay != 0):
             continue
+        wanted = {"lr": r.lr, "eps": r.eps}  # the twin's keys are lr or the rule's eps (a registry test says so)
+        shown = []
+        for key, power in rule.twin:
+            column = "lr" if key == "lr" else "eps"
+            wanted[column] = twin_value(getattr(r, column), r.c_eff, power)
+            shown.append((key, getattr(r, column), wanted[column]))
+        match = np.logical_and.reduce([
+            unit[column].isna() if pd.isna(value) else np.isclose(unit[column], value, rtol=1e-6, atol=0)
+            for column, value in wanted.items()])
+        c = short_number(r.c_eff)
+        if [key for key, _ in rule.twin] == ["lr"]:
+            _, lr, twin_lr = shown[0]
+            label = optimizer.label
+            text = f"{label}(lr={short_number(lr)}, c={c}) == {label}(lr={short_number(twin_lr)}, c=1)"
+        else:
+            mine = ", ".join(f"{key}={short_number(value)}" for key, value, _ in shown)
+            theirs = ", ".join(f"{key}={short_number(value)}" for key, _, value in shown)
+            text = f"{optimizer.label}(c={c}, {mine}) == {optimizer.label}(c=1, {theirs})"
         mine = {k: _key(getattr(r, k)) for k in keys}
         same = np.logical_and.reduce([[_key(v) == mine[k] for v in unit[k]] for k in keys])
         for equivalent in unit[match & same].run:
-            rows.append({"run": r.run, "equivalent": equivalent, "rule": rule})
+            rows.append({"run": r.run, "equivalent": equivalent, "rule": text})
     return pd.DataFrame(rows, columns=["run", "equivalent", "rule"])
 
 

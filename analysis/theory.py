@@ -1,7 +1,7 @@
 """What the theory predicts (docs/design.md, physics 2-4), as plain functions of measured quantities.
 
 Notation: c = effective gradient multiplier, s = a coordinate's sqrt(v_hat) at c = 1, eps = Adam's eps.
-c_eff itself is experiments.config.c_eff, the one rule the trainer and the analysis share.
+c_eff itself is experiments.recipes' (Recipe.c_eff), the one rule the trainer and the analysis share.
 """
 
 from __future__ import annotations
@@ -20,14 +20,10 @@ def critical_scale(s, eps):
     return eps / np.asarray(s, dtype=float)
 
 
-def sgd_equivalent_lr(lr: float, c: float) -> float:
-    """SGD(lr, c) == SGD(lr * c, 1) step for step (no weight decay)."""
-    return lr * c
-
-
-def adamw_equivalent_eps(eps: float, c: float) -> float:
-    """AdamW(c, eps) == AdamW(1, eps / c) exactly (decoupled weight decay, no clipping)."""
-    return eps / c
+def twin_value(value: float, c: float, power: int) -> float:
+    """The twin run's value of a key (experiments.optimizers.base.ScaleRule.twin): value * c**power, e.g.
+    SGD(lr, c) == SGD(lr * c, 1), AdamW(c, eps) == AdamW(1, eps / c) exactly."""
+    return value * c if power == 1 else value / c if power == -1 else value * c**power
 
 
 def eps_dominated_share(c: float, s, eps: float, weights=None) -> float:

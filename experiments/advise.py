@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from experiments.config import override_key
+from experiments.optimizers import advisable
 
 DEFAULT_STEPS = 20
 # what makes the run the advisor's reference: c = 1, records on every step
@@ -37,9 +38,10 @@ def reference_overrides(overrides: list[str]) -> tuple[list[str], Path]:
         if key in keys:
             raise AdviseError(f"error: {key}={keys[key]} is not allowed: the advisor runs the c = 1 reference "
                               "itself (scale=1, fix=true); ask for other multipliers with --scales or --world-sizes")
-    if keys.get("optimizer", "adamw") != "adamw":
+    if keys.get("optimizer", "adamw") not in advisable():
         raise AdviseError(f"error: optimizer={keys['optimizer']} is not allowed: the advisor predicts eps's effect "
-                          "on AdamW (optimizer=adamw); sgd feels every factor exactly, adam_atan2 and lion none")
+                          f"on Adam's update (optimizer={' or '.join(advisable())}); sgd feels every factor "
+                          "exactly, the scale-invariant ones none")
     run_dir = Path(keys.get("hydra.run.dir") or f"outputs/advise/{time.strftime('%Y-%m-%d/%H-%M-%S')}")
     added = [f"{k}={v}" for k, v in FIXED_KEYS.items()] + ["adam_stats_every=1", "log_every=1"]
     if "steps" not in keys:

@@ -11,92 +11,21 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from hydra.errors import CompactHydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-
-class ConfigError(CompactHydraException):
-    """A bad config value. Hydra prints only the message (one line) and exits non-zero."""
-
+from experiments.checks import ConfigError, check, finite_positive, int_at_least
+from experiments.optimizers import OPTIMIZERS
+from experiments.optimizers import entry as optimizer_entry
+from experiments.recipes import RECIPES, normalization_in_effect, recipe, with_fix
 
 # ---------------------------------------------------------------------------------------------
 # Sections
-
-
-@dataclass
-class OptimizerConfig:
-    name: str = MISSING
-    lr: float = MISSING
-    weight_decay: float = 0.0
-
-    def check(self) -> None:
-        _check(self.name in OPTIMIZERS, "optimizer.name", self.name, f"one of {', '.join(OPTIMIZERS)}")
-        _finite_positive("optimizer.lr", self.lr)
-        _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "must be >= 0")
-
-
-@dataclass
-class SGDConfig(OptimizerConfig):
-    name: str = "sgd"
-    lr: float = 0.03
-    momentum: float = 0.9
-    nesterov: bool = False
-
-    def check(self) -> None:
-        OptimizerConfig.check(self)
-        _check(0 <= self.momentum < 1, "optimizer.momentum", self.momentum, "must be in [0, 1)")
-        _check(not self.nesterov or self.momentum > 0, "optimizer.nesterov", self.nesterov, "needs momentum > 0")
-
-
-@dataclass
-class AdamWConfig(OptimizerConfig):
-    name: str = "adamw"
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-
-    def check(self) -> None:
-        OptimizerConfig.check(self)
-        _check_betas(self.betas)
-        # eps = 0 is 0/0 on coordinates that never get a gradient (unused embedding rows)
-        _finite_positive("optimizer.eps", self.eps)
-
-
-@dataclass
-class AdamAtan2Config(OptimizerConfig):
-    """Adam-atan2 (Everett et al. 2024): atan2 replaces the division by sqrt(v_hat) + eps; no eps."""
-
-    name: str = "adam_atan2"
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    a: float = 4 / math.pi  # update = a * atan2(m_hat, b * sqrt(v_hat))
-    b: float = 1.0
-
-    def check(self) -> None:
-        OptimizerConfig.check(self)
-        _check_betas(self.betas)
-        _finite_positive("optimizer.a", self.a)
-        _finite_positive("optimizer.b", self.b)
-
-
-@dataclass
-class LionConfig(OptimizerConfig):
-    """Lion (Chen et al. 2023): the sign of an interpolated momentum; no eps."""
-
-    name: str = "lion"
-    lr: float = 3e-4  # sign updates have RMS 1: the paper's advice is 3-10x below AdamW's lr
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-
-    def check(self) -> None:
-        OptimizerConfig.check(self)
-        _check_betas(self.betas)
 
 
 @dataclass
@@ -110,13 +39,13 @@ class FinetuneConfig:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
 
     def check(self) -> None:
-        _check(self.name in FINETUNES, "finetune.name", self.name, f"one of {', '.join(FINETUNES)}")
+        check(self.name in FINETUNES, "finetune.name", self.name, f"one of {', '.join(FINETUNES)}")
         if self.name == "lora":
-            _int_at_least("finetune.rank", self.rank, 1)
-            _finite_positive("finetune.alpha", self.alpha)
-            _check(0 <= self.dropout < 1, "finetune.dropout", self.dropout, "must be in [0, 1)")
+            int_at_least("finetune.rank", self.rank, 1)
+            finite_positive("finetune.alpha", self.alpha)
+            check(0 <= self.dropout < 1, "finetune.dropout", self.dropout, "must be in [0, 1)")
             targets = list(self.target_modules)
-            _check(bool(targets) and set(targets) <= set(LORA_TARGETS), "finetune.target_modules", targets,
+            check(bool(targets) and set(targets) <= set(LORA_TARGETS), "finetune.target_modules", targets,
                    f"a non-empty list of {', '.join(LORA_TARGETS)}")
 
 
@@ -132,9 +61,9 @@ class PretrainConfig:
 
     def check(self, max_positions: int) -> None:
         for key in ("steps", "batch_size", "seq_len"):
-            _int_at_least(f"model.pretrain.{key}", getattr(self, key), 2 if key == "seq_len" else 1)
-        _finite_positive("model.pretrain.lr", self.lr)
-        _check(self.seq_len <= max_positions, "model.pretrain.seq_len", self.seq_len,
+            int_at_least(f"model.pretrain.{key}", getattr(self, key), 2 if key == "seq_len" else 1)
+        finite_positive("model.pretrain.lr", self.lr)
+        check(self.seq_len <= max_positions, "model.pretrain.seq_len", self.seq_len,
                f"must be <= model.max_position_embeddings ({max_positions})")
 
 
@@ -174,14 +103,14 @@ class ModelConfig:
 
     def check(self) -> None:
         """Values only: the files it names are check_files' (they are read once per process)."""
-        _check(self.init in INITS, "model.init", self.init, f"one of {', '.join(INITS)}")
+        check(self.init in INITS, "model.init", self.init, f"one of {', '.join(INITS)}")
         unknown = set(self.recommended) - set(RECOMMENDED_KEYS)
-        _check(not unknown, "model.recommended", dict(self.recommended), f"keys among {', '.join(RECOMMENDED_KEYS)}")
+        check(not unknown, "model.recommended", dict(self.recommended), f"keys among {', '.join(RECOMMENDED_KEYS)}")
         for name, lr in (self.recommended.get("lr") or {}).items():
-            _check(name in OPTIMIZERS, f"model.recommended.lr.{name}", lr,
+            check(name in OPTIMIZERS, f"model.recommended.lr.{name}", lr,
                    f"an optimizer among {', '.join(OPTIMIZERS)}")
-            _check(isinstance(lr, (int, float)) and lr > 0, f"model.recommended.lr.{name}", lr, "a number > 0")
-        _check(not (self.path and self.gguf_file), "model.gguf_file", self.gguf_file,
+            check(isinstance(lr, (int, float)) and lr > 0, f"model.recommended.lr.{name}", lr, "a number > 0")
+        check(not (self.path and self.gguf_file), "model.gguf_file", self.gguf_file,
                "must be null when model.path is set (one source of weights)")
         if self.init == "pretrained" and not (self.path or self.gguf_file):
             PretrainConfig.check(self.pretrain, self.max_position_embeddings)
@@ -204,13 +133,13 @@ class DataConfig:
 
     def check(self) -> None:
         """Values only: data.path's records are check_files'."""
-        _check(self.name in DATASETS, "data.name", self.name, f"one of {', '.join(DATASETS)}")
-        _check(0 < self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "must be in (0, 1)")
-        _check(self.template in TEMPLATES, "data.template", self.template, f"one of {', '.join(TEMPLATES)}")
+        check(self.name in DATASETS, "data.name", self.name, f"one of {', '.join(DATASETS)}")
+        check(0 < self.eval_fraction < 1, "data.eval_fraction", self.eval_fraction, "must be in (0, 1)")
+        check(self.template in TEMPLATES, "data.template", self.template, f"one of {', '.join(TEMPLATES)}")
         if self.name == "jsonl":
-            _check(bool(self.path), "data.path", self.path, "must name a local JSONL file for data=jsonl")
+            check(bool(self.path), "data.path", self.path, "must name a local JSONL file for data=jsonl")
         if self.name == "hf":
-            _check(bool(self.hf_name), "data.hf_name", self.hf_name, "must name a dataset for data=hf")
+            check(bool(self.hf_name), "data.hf_name", self.hf_name, "must name a dataset for data=hf")
 
 
 @dataclass
@@ -220,7 +149,7 @@ class NormalizationConfig:
     name: str = "global_tokens"
 
     def check(self) -> None:
-        _check(self.name in RECIPES, "normalization.name", self.name, f"one of {', '.join(RECIPES)}")
+        recipe(self.name)
 
 
 @dataclass
@@ -229,8 +158,8 @@ class DistConfig:
     timeout_s: float = 300.0  # process-group timeout: a dead rank ends the job within this
 
     def check(self) -> None:
-        _check(self.strategy in STRATEGIES, "dist.strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
-        _finite_positive("dist.timeout_s", self.timeout_s)
+        check(self.strategy in STRATEGIES, "dist.strategy", self.strategy, f"one of {', '.join(STRATEGIES)}")
+        finite_positive("dist.timeout_s", self.timeout_s)
 
 
 @dataclass
@@ -241,7 +170,7 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
 
     def check(self) -> None:
-        _check(self.mode in WANDB_MODES, "wandb.mode", self.mode, f"one of {', '.join(WANDB_MODES)}")
+        check(self.mode in WANDB_MODES, "wandb.mode", self.mode, f"one of {', '.join(WANDB_MODES)}")
 
 
 @dataclass
@@ -277,18 +206,6 @@ class Config:
 # What a config means: resolved here, once
 
 
-def normalization_in_effect(fix: bool, normalization: str) -> str:
-    """`fix` is the user's short switch for the common case: fix=false turns normalization=global_tokens
-    into global_tokens_no_world_fix (the pre-fix recipe). Every other recipe is taken as named."""
-    return "global_tokens_no_world_fix" if normalization == "global_tokens" and not fix else normalization
-
-
-def c_eff(scale: float, normalization: str, world_size: int) -> float:
-    """The effective multiplier: the optimizer sees c_eff times the gradient of the global token-mean loss.
-    The studied factor c, and the pre-fix recipe's missing world-size factor 1/N (experiments/grads.py)."""
-    return scale / world_size if normalization == "global_tokens_no_world_fix" else scale
-
-
 def times(value: int, factor: float) -> int:
     product = value * factor
     if product != int(product) or product < 1:
@@ -309,10 +226,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     # schemas live apart from the user's choices, so `optimizer=...` lists only real options
-    cs.store(group="schema/optimizer", name="sgd", node=SGDConfig)
-    cs.store(group="schema/optimizer", name="adamw", node=AdamWConfig)
-    cs.store(group="schema/optimizer", name="adam_atan2", node=AdamAtan2Config)
-    cs.store(group="schema/optimizer", name="lion", node=LionConfig)
+    for optimizer in OPTIMIZERS.values():
+        cs.store(group="schema/optimizer", name=optimizer.name, node=optimizer.config)
     cs.store(group="schema/finetune", name="finetune", node=FinetuneConfig)
     cs.store(group="schema/model", name="llama", node=ModelConfig)
     cs.store(group="schema/data", name="data", node=DataConfig)
@@ -322,7 +237,6 @@ def register_configs() -> None:
 # ---------------------------------------------------------------------------------------------
 # Range checks
 
-OPTIMIZERS = ("sgd", "adamw", "adam_atan2", "lion")
 FINETUNES = ("full", "lora")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RECOMMENDED_KEYS = ("lr", "batch_size", "seq_len")
@@ -332,25 +246,10 @@ INITS = ("pretrained", "random")
 PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
-RECIPES = ("global_tokens", "global_tokens_no_world_fix", "local_mean", "per_microbatch_mean")
 STRATEGIES = ("ddp", "fsdp2")
 CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                       "pytorch_model.bin.index.json")
 CHECKPOINT_TOKENIZER = ("tokenizer.json", "tokenizer.model")
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"error: {key}={value!r} is not allowed: {allowed}")
-
-
-def _finite_positive(key: str, value: Any) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    _check(number and math.isfinite(value) and value > 0, key, value, "must be a finite number > 0")
-
-
-def _int_at_least(key: str, value: Any, low: int) -> None:
-    _check(isinstance(value, int) and value >= low, key, value, f"must be an integer >= {low}")
 
 
 def jsonl_problem(path: str, prompt_field: str, response_field: str) -> str | None:
@@ -397,14 +296,9 @@ def resolve_world_size(world_size: int, overrides: list[str]) -> int:
     if env is None:
         return world_size
     explicit = any(override_key(o) == "world_size" for o in overrides)
-    _check(not explicit or world_size == env, "world_size", world_size,
+    check(not explicit or world_size == env, "world_size", world_size,
            f"must match torchrun's WORLD_SIZE={env} (or be left out)")
     return env
-
-
-def _check_betas(betas) -> None:
-    betas = list(betas)
-    _check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "optimizer.betas", betas, "two numbers in [0, 1)")
 
 
 def section_check(section: Any, *args) -> None:
@@ -419,34 +313,40 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     overrides: the job's command-line overrides (default: hydra.overrides.task when cfg has it)."""
     if overrides is None:
         overrides = list(OmegaConf.select(cfg, "hydra.overrides.task", default=[]) or [])
-    _finite_positive("scale", cfg.scale)
-    _int_at_least("world_size", cfg.world_size, 1)
+    finite_positive("scale", cfg.scale)
+    int_at_least("world_size", cfg.world_size, 1)
     world_size = resolve_world_size(cfg.world_size, overrides)
     for key in ("steps", "batch_size", "grad_accum", "log_every", "eval_every", "eval_batches"):
-        _int_at_least(key, getattr(cfg, key), 1)
-    _int_at_least("seq_len", cfg.seq_len, 2)
+        int_at_least(key, getattr(cfg, key), 1)
+    int_at_least("seq_len", cfg.seq_len, 2)
     for key in ("adam_stats_every", "checkpoint_every"):
         if getattr(cfg, key) is not None:
-            _int_at_least(key, getattr(cfg, key), 1)
+            int_at_least(key, getattr(cfg, key), 1)
     if cfg.clip_grad_norm is not None:
-        _finite_positive("clip_grad_norm", cfg.clip_grad_norm)
-    _check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")
-    _check(cfg.device in DEVICES, "device", cfg.device, f"one of {', '.join(DEVICES)}")
+        finite_positive("clip_grad_norm", cfg.clip_grad_norm)
+    check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")
+    check(cfg.device in DEVICES, "device", cfg.device, f"one of {', '.join(DEVICES)}")
+    optimizer = optimizer_entry(cfg.optimizer.name)
     for section in (cfg.wandb, cfg.normalization, cfg.dist, cfg.optimizer, cfg.finetune, cfg.model, cfg.data):
         section_check(section)
 
-    _check(
+    check(
         cfg.batch_size % (world_size * cfg.grad_accum) == 0,
         "batch_size",
         cfg.batch_size,
         f"must be divisible by world_size * grad_accum = {world_size} * {cfg.grad_accum}",
     )
-    recipe = cfg.normalization.name
-    _check(cfg.fix or recipe.startswith("global_tokens"), "fix", cfg.fix,
-           f"fix=false is the switch for normalization=global_tokens; normalization={recipe} has no fix to turn off")
+    name = cfg.normalization.name
+    has_fix = [r.name for r in RECIPES.values() if r.without_fix]
+    check(cfg.fix or recipe(name).without_fix or with_fix(name) != name, "fix", cfg.fix,
+          f"fix=false is the switch for normalization={' or '.join(has_fix)}; normalization={name} has no fix "
+          "to turn off")
+    refused = optimizer.refuse(cfg) if optimizer.refuse else None
+    if refused:
+        check(False, *refused)
     model, data = cfg.model, cfg.data
     if not (model.path or model.gguf_file) and model.init == "random":  # otherwise the checkpoint's tokenizer
-        _check(
+        check(
             256 < data.tokenizer_vocab_size <= model.vocab_size,
             "data.tokenizer_vocab_size",
             data.tokenizer_vocab_size,
@@ -461,29 +361,29 @@ def check_files(cfg: DictConfig | Config) -> None:
     (file_problem), so a sweep of many jobs on one data file reads it once."""
     model, data = cfg.model, cfg.data
     if model.gguf_file and not model.gguf_package:
-        _check(os.path.isfile(model.gguf_file), "model.gguf_file", model.gguf_file,
+        check(os.path.isfile(model.gguf_file), "model.gguf_file", model.gguf_file,
                "must be an existing GGUF file (or name the file inside model.gguf_package)")
     if model.path:
-        _check(os.path.isdir(model.path), "model.path", model.path, "must be an existing directory")
+        check(os.path.isdir(model.path), "model.path", model.path, "must be an existing directory")
         for files, what in ((("config.json",), "no config.json"), (CHECKPOINT_WEIGHTS, "no weights"),
                             (CHECKPOINT_TOKENIZER, "no tokenizer")):
-            _check(
+            check(
                 any(os.path.isfile(os.path.join(model.path, f)) for f in files),
                 "model.path",
                 model.path,
                 f"must be a Hugging Face checkpoint directory; it has {what} ({', '.join(files)})",
             )
     max_positions = model_max_positions(model)
-    _check(
+    check(
         cfg.seq_len <= max_positions,
         "seq_len",
         cfg.seq_len,
         f"must be <= the model's max_position_embeddings ({max_positions})",
     )
     if data.name == "jsonl":
-        _check(os.path.isfile(data.path), "data.path", data.path, "must be an existing JSONL file")
+        check(os.path.isfile(data.path), "data.path", data.path, "must be an existing JSONL file")
         problem = file_problem(jsonl_problem, data.path, data.prompt_field, data.response_field)
-        _check(problem is None, "data.path", data.path, f"must be a JSONL file of records: {problem}")
+        check(problem is None, "data.path", data.path, f"must be a JSONL file of records: {problem}")
 
 
 _FILE_PROBLEMS: dict[tuple, str | None] = {}
@@ -550,17 +450,17 @@ def check_environment(cfg: DictConfig | Config) -> None:
     on_cuda = cfg.device == "cuda"
     if on_cuda:
         problem = cuda_problem()
-        _check(problem is None, "device", cfg.device, str(problem))
+        check(problem is None, "device", cfg.device, str(problem))
     elif cfg.device == "auto" and (cfg.precision == "bf16" or cfg.compile):  # auto means CUDA when it is here
         on_cuda = cuda_problem() is None
     if cfg.precision == "bf16" and on_cuda:
         import torch
 
-        _check(torch.cuda.is_bf16_supported(), "precision", cfg.precision,
+        check(torch.cuda.is_bf16_supported(), "precision", cfg.precision,
                f"{torch.cuda.get_device_name()} has no bf16 (use precision=fp32)")
     if cfg.compile:
         problem = compiler_problem(on_cuda)
-        _check(problem is None, "compile", cfg.compile, str(problem))
+        check(problem is None, "compile", cfg.compile, str(problem))
     from experiments.weights import WeightsError, ensure_source
 
     try:

@@ -49,6 +49,19 @@ def help_options(group: str, *, _root_: DictConfig) -> str:
     return wrapped.replace("$", "$$")  # Hydra renders the template with string.Template
 
 
+def help_entries(group: str, *, _root_: DictConfig) -> str:
+    """One line per entry of a group's registry (optimizer: experiments/optimizers/, normalization:
+    experiments/recipes.py): its name, * on the one in use, and its one-line summary."""
+    if group == "optimizer":
+        from experiments.optimizers import OPTIMIZERS as entries
+    else:
+        from experiments.recipes import RECIPES as entries
+    current = (OmegaConf.select(_root_, "hydra.runtime.choices", default={}) or {}).get(group)
+    width = max(map(len, entries)) + 3
+    lines = [(f"{name}*" if name == current else name).ljust(width) + entry.summary for name, entry in entries.items()]
+    return ("\n" + " " * OPTIONS_INDENT).join(lines).replace("$", "$$")
+
+
 def help_key(key: str, *, _root_: DictConfig) -> str:
     """'key=value' with the composed config's value, padded to the key column (KEY_WIDTH)."""
     missing = object()
@@ -72,4 +85,5 @@ def job_tag(*, _root_: DictConfig) -> str:
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("help_options", help_options, replace=True)
     OmegaConf.register_new_resolver("help_key", help_key, replace=True)
+    OmegaConf.register_new_resolver("help_entries", help_entries, replace=True)
     OmegaConf.register_new_resolver("job_tag", job_tag, replace=True)

@@ -1,4 +1,4 @@
-"""The gradient pipeline between backward() and optimizer.step(), and the normalization recipes.
+"""The gradient pipeline between backward() and optimizer.step(): a normalization recipe, the scale, clipping.
 
 Every rank r sums token cross-entropy over its trained tokens (each sequence weighted by the
 recipe's loss weight, 1 for the global-token recipes) and calls backward. Then:
@@ -11,18 +11,12 @@ recipe's loss weight, 1 for the global-token recipes) and calls backward. Then:
     grad      *= min(1, max_norm / grad_norm)      optional clipping
 
 With fix=True the optimizer sees the gradient of the global token-mean loss, g; with fix=False it
-sees g / N. The effective multiplier is c_eff = scale * (1 if fix else 1/N) (config.c_eff).
+sees g / N. The effective multiplier is c_eff = scale * (1 if fix else 1/N) (Recipe.c_eff).
 
 Emulating N ranks in one process costs nothing: the sum of per-rank sums is the sum over the
 global batch, so one backward over the global batch and the factor 1/N give the averaged gradient.
 
-Recipes (`normalization=`), as met in the wild; T_r is rank r's count, T_rk micro-batch k's:
-    global_tokens               weights 1, then * N / num_tokens          correct
-    global_tokens_no_world_fix  weights 1, then * 1 / num_tokens          g / N (the bug)
-    local_mean                  weight 1/T_r on rank r                    correct only if all T_r equal
-    per_microbatch_mean         weight 1/(A * T_rk), A = grad_accum       correct only if all T_rk equal
-A rank or micro-batch with no trained tokens has weight 1/1 on a zero loss: it contributes nothing
-(the count is clamped to 1, as implementations do to avoid 0/0).
+The recipes (`normalization=`) and what each does: experiments/recipes.py.
 """
 
 from __future__ import annotations
@@ -31,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from experiments.config import c_eff
 from experiments.data import IGNORE_INDEX
 from experiments.parallel import Ranks, local
+from experiments.recipes import Recipe, recipe
 
 
 @dataclass(frozen=True)
@@ -46,17 +40,25 @@ class GradPipeline:
     clip_grad_norm: float | None = None
     grad_accum: int = 1
 
+    def __post_init__(self) -> None:
+        recipe(self.recipe, "recipe")  # an unknown name fails here, never trains at some default factor
+
+    @property
+    def rule(self) -> Recipe:
+        return recipe(self.recipe)
+
     def sequence_weights(self, targets: torch.Tensor) -> torch.Tensor:
         """Loss weight of each sequence of the global batch, applied before backward.
 
         Rank r owns block r of the batch and its micro-batch k is block k of that (as in Ranks)."""
         counts = (targets != IGNORE_INDEX).sum(1).double()
-        if self.recipe.startswith("global_tokens"):
+        mean_over = self.rule.mean_over
+        if mean_over is None:
             return torch.ones_like(counts, dtype=torch.float32)
-        blocks = self.world_size * (self.grad_accum if self.recipe == "per_microbatch_mean" else 1)
+        blocks = self.world_size * (self.grad_accum if mean_over == "microbatch" else 1)
         per_block = torch.stack([c.sum() for c in counts.chunk(blocks)]).clamp_min(1)
         weights = 1.0 / per_block
-        if self.recipe == "per_microbatch_mean":
+        if mean_over == "microbatch":
             weights = weights / self.grad_accum
         return weights.repeat_interleave(len(targets) // blocks).float()
 
@@ -65,17 +67,12 @@ class GradPipeline:
 
         ranks_averaged: a real engine (DDP / FSDP) has already divided by N; emulation has not."""
         rank_average = 1.0 if ranks_averaged else 1.0 / self.world_size
-        num_tokens = max(num_tokens, 1)  # a batch with nothing to train on has zero gradients anyway
-        normalization = {
-            "global_tokens": self.world_size / num_tokens,
-            "global_tokens_no_world_fix": 1.0 / num_tokens,
-        }.get(self.recipe, 1.0)  # the mean recipes normalized before backward
-        return rank_average * normalization * self.scale
+        return rank_average * self.rule.factor(self.world_size, num_tokens) * self.scale
 
     @property
     def c_eff(self) -> float:
         """The gradient the optimizer sees is c_eff times the token-mean gradient (global recipes)."""
-        return c_eff(self.scale, self.recipe, self.world_size)
+        return self.rule.c_eff(self.scale, self.world_size)
 
     @torch.no_grad()
     def apply(

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from experiments import checkpoint, data, model, optim, parallel, weights
+from experiments import checkpoint, data, model, parallel, weights
 from experiments.config import Config, check_environment, resolve_world_size, validate
 from experiments.data import Batches
 from experiments.frequency import TokenBuckets
 from experiments.grads import GradPipeline
+from experiments.optimizers import build_optimizer
 from experiments.parallel import Ranks
 from experiments.train import LoopConfig, train
 
@@ -77,7 +78,7 @@ def build_job(cfg: Config, world_size: int | None = None, batches: Batches | Non
     source = weights.checkpoint_dir(cfg.model)  # fetched, converted or pretrained first when not cached
     batches = batches or build_batches(cfg, source)
     net = build_model(cfg, device, ranks, source)
-    optimizer = optim.build_optimizer(cfg.optimizer, [p for p in net.parameters() if p.requires_grad])
+    optimizer = build_optimizer(cfg.optimizer, [(n, p) for n, p in net.named_parameters() if p.requires_grad])
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.precision == "bf16"
                 else contextlib.nullcontext())
     return Job(net, optimizer, batches, build_pipeline(cfg, ranks.world_size), ranks, device, autocast,

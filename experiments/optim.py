@@ -1,6 +1,6 @@
-"""Optimizer factory: an explicit name -> constructor table, and the optimizer-state statistics.
+"""The hand-written optimizers (Adam-atan2, Lion) and the optimizer-state statistics (Adam's sqrt(v_hat)).
 
-Each constructor takes the optimizer's own config section and the parameters to train.
+Which optimizer a run builds, and how: the registry, experiments/optimizers/.
 """
 
 from __future__ import annotations
@@ -11,20 +11,6 @@ import numpy as np
 import torch
 
 from experiments.parallel import Ranks, local
-
-
-def build_sgd(cfg, params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(
-        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
-    )
-
-
-def build_adamw(cfg, params) -> torch.optim.Optimizer:
-    # foreach=True everywhere: the fused and for-loop kernels round differently, and equal
-    # arithmetic on every machine is what makes AdamW(c, eps) == AdamW(1, eps/c) testable.
-    return torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True
-    )
 
 
 class _ForeachOptimizer(torch.optim.Optimizer):
@@ -114,26 +100,38 @@ class Lion(_ForeachOptimizer):
         return state["exp_avg"]
 
 
-def build_adam_atan2(cfg, params) -> torch.optim.Optimizer:
-    return AdamAtan2(params, lr=cfg.lr, betas=cfg.betas, a=cfg.a, b=cfg.b, weight_decay=cfg.weight_decay)
+class MuonHybrid(torch.optim.Optimizer):
+    """Muon (torch.optim.Muon) on the hidden matrices, AdamW (foreach, as optimizer=adamw) on every other
+    parameter, as one optimizer. Its param_groups are the parts' (Muon's first) and its state is one dict
+    that both parts write to, so checkpoints, the Adam statistics (adam_moments reads the groups with betas
+    and eps: the AdamW part's) and the histograms see its groups like any optimizer's."""
 
+    def __init__(self, matrices: list, others: list, muon: dict, adamw: dict):
+        self.parts = []
+        if matrices:
+            self.parts.append(torch.optim.Muon(matrices, **muon))
+        if others:
+            self.parts.append(torch.optim.AdamW(others, foreach=True, **adamw))
+        super().__init__([group for part in self.parts for group in part.param_groups], defaults={})
+        self._share()
 
-def build_lion(cfg, params) -> torch.optim.Optimizer:
-    return Lion(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    def _share(self) -> None:
+        start = 0
+        for part in self.parts:
+            part.param_groups = self.param_groups[start:start + len(part.param_groups)]
+            part.state = self.state
+            start += len(part.param_groups)
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonHybrid.step takes no closure")
+        for part in self.parts:
+            part.step()
 
-OPTIMIZERS = {
-    "sgd": build_sgd,
-    "adamw": build_adamw,
-    "adam_atan2": build_adam_atan2,
-    "lion": build_lion,
-}
-
-
-def build_optimizer(cfg, params) -> torch.optim.Optimizer:
-    if cfg.name not in OPTIMIZERS:
-        raise ValueError(f"error: optimizer.name={cfg.name!r} is not one of {', '.join(OPTIMIZERS)}")
-    return OPTIMIZERS[cfg.name](cfg, params)
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # new group dicts and a new state dict: the parts follow them
+        self._share()
 
 
 def adam_states(optimizer: torch.optim.Optimizer):

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from experiments.config import RECIPES
 from experiments.data import IGNORE_INDEX
+from experiments.recipes import RECIPES
 from experiments.sweep import render_table
 
 CASES = ("equal", "ragged", "zero_rank")

@@ -76,12 +76,14 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from experiments import data, optim, weights
-    from experiments.config import AdamWConfig, WandbConfig
+    from experiments import data, weights
+    from experiments.config import WandbConfig
     from experiments.grads import GradPipeline
     from experiments.job import Job
     from experiments.metrics import RunLog
     from experiments.model import llama_config
+    from experiments.optimizers import build_optimizer
+    from experiments.optimizers.adamw import AdamWConfig
     from experiments.parallel import Ranks
     from experiments.train import LoopConfig, train
 
@@ -104,7 +106,7 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
 
     torch.manual_seed(pre.seed)
     model = LlamaForCausalLM(llama_config(model_cfg))
-    optimizer = optim.build_optimizer(AdamWConfig(lr=pre.lr, weight_decay=0.1), list(model.parameters()))
+    optimizer = build_optimizer(AdamWConfig(lr=pre.lr, weight_decay=0.1), list(model.named_parameters()))
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True)
     run_log = RunLog(tmp, WandbConfig(mode="disabled"), name="pretrain", group=None, tags=[], config={})

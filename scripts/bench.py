@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         print_memory(*memory(args.overrides, args.memory))
         return 0
 
-    from experiments.optim import build_optimizer
+    from experiments.optimizers import build_optimizer
 
     run.keep_freed_memory()  # as every suite job does, so every loop here runs with it
 
@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         interleaved = Interleaved(WARMUP, args.steps, cfg.log_every, device)
         for name in order:
             run_model = copy.deepcopy(base)
-            optimizer = build_optimizer(cfg.optimizer, [p for p in run_model.parameters() if p.requires_grad])
+            optimizer = build_optimizer(cfg.optimizer,
+                                        [(n, p) for n, p in run_model.named_parameters() if p.requires_grad])
             loop_job = replace(job, model=run_model, optimizer=optimizer)  # the same batches and pipeline
             interleaved.add(name, functools.partial(loops[name], loop_job, cfg, WARMUP + args.steps), optimizer)
         for name, seconds in interleaved.run().items():

@@ -15,7 +15,7 @@ import pytest
 from analysis import plots, theory
 from analysis.load import curve, load, read_jsonl, run_names, setup_labels, short_number
 from analysis.tables import crossing_cell, equivalent_references, pair_references
-from experiments.config import c_eff, normalization_in_effect
+from experiments.recipes import c_eff, normalization_in_effect
 from tests.conftest import TINY
 
 
@@ -47,8 +47,8 @@ def test_c_eff_and_theory():
     assert c_eff(8.0, normalization_in_effect(fix=True, normalization="global_tokens"), world_size=8) == 8
     assert theory.update_ratio(1.0, 1e-8, 1e-8) == pytest.approx(0.5)
     assert theory.critical_scale(1e-4, 1e-8) == pytest.approx(1e-4)
-    assert theory.sgd_equivalent_lr(0.1, 8) == pytest.approx(0.8)
-    assert theory.adamw_equivalent_eps(1e-8, 8) == pytest.approx(1.25e-9)
+    assert theory.twin_value(0.1, 8, 1) == pytest.approx(0.8)  # SGD's lr
+    assert theory.twin_value(1e-8, 8, -1) == 1e-8 / 8  # AdamW's eps, exactly
     assert theory.eps_dominated_share(1.0, [1e-9, 1e-7, 1e-6, 1e-5], 1e-8) == 0.25
     c_start, c_all = theory.breakdown_band({"q10": 1e-6, "q90": 1e-3}, 1e-8)
     assert c_start == pytest.approx(1e-2) and c_all == pytest.approx(1e-5)

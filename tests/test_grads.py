@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.config import normalization_in_effect
 from experiments.grads import GradPipeline, count_trained_tokens, token_loss_sum, total_norm
+from experiments.recipes import normalization_in_effect
 from tests.conftest import compose
 
 
@@ -123,8 +123,9 @@ def test_unlogged_steps_skip_the_norm_unless_clipping_needs_it(model_and_batch):
 def test_fix_is_resolved_into_the_normalization_once():
     """fix=false is the short switch for the pre-fix recipe: resolved when the config becomes dataclasses,
     so the pipeline, summary.json and the analysis see one recipe and one c_eff."""
-    from experiments.config import c_eff, to_object
+    from experiments.config import to_object
     from experiments.job import build_pipeline
+    from experiments.recipes import c_eff
 
     for overrides, recipe in ([[], "global_tokens"], [["fix=false"], "global_tokens_no_world_fix"],
                               [["normalization=global_tokens_no_world_fix"], "global_tokens_no_world_fix"],

@@ -65,4 +65,4 @@ plots.adam_state(runs, curves)
 # The eps/c trade, from the theory: the run at scale c with eps behaves as scale 1 with eps/c.
 
 # %%
-{f"c={c:g}": f"eps_equivalent={theory.adamw_equivalent_eps(1e-8, c):.1e}" for c in sorted(set(runs.c_eff))}
+{f"c={c:g}": f"eps_equivalent={theory.twin_value(1e-8, c, -1):.1e}" for c in sorted(set(runs.c_eff))}

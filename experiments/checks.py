@@ -1,0 +1,36 @@
+"""Range checks: one line naming the key, the value and what is allowed. A leaf module (no torch, nothing of
+the suite's own), so every config section, wherever it is defined, checks itself the same way."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hydra.errors import CompactHydraException
+
+
+class ConfigError(CompactHydraException):
+    """A bad config value. Hydra prints only the message (one line) and exits non-zero."""
+
+
+def check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"error: {key}={value!r} is not allowed: {allowed}")
+
+
+def finite_positive(key: str, value: Any) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    check(number and math.isfinite(value) and value > 0, key, value, "must be a finite number > 0")
+
+
+def int_at_least(key: str, value: Any, low: int) -> None:
+    check(isinstance(value, int) and value >= low, key, value, f"must be an integer >= {low}")
+
+
+def check_betas(betas, key: str = "optimizer.betas") -> None:
+    betas = list(betas)
+    check(len(betas) == 2 and all(0 <= b < 1 for b in betas), key, betas, "two numbers in [0, 1)")
+
+
+def one_of(key: str, value: Any, allowed) -> None:
+    check(value in allowed, key, value, f"one of {', '.join(allowed)}")
