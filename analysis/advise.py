@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,64 +28,18 @@ from omegaconf import OmegaConf
 
 from analysis.load import curve, read_jsonl, short_number
 from analysis.tables import pair_references
-from analysis.theory import tensor_group
-from experiments.optim import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
+from analysis.theory import Histogram, eps_dominated_share, histogram_of, tensor_group, update_rms_ratio
 from experiments.optimizers import advisable
 from experiments.optimizers import entry as optimizer_entry
+from experiments.records import UPDATE_RMS
 from experiments.sweep import render_table
 
 WITHIN = 0.99  # update-RMS ratio at or above: "within 1%"
 BROKEN = 0.90  # below: "broken"; in between: "noticeable"
 DEFAULT_WORLD_SIZES = tuple(2**k for k in range(1, 13))  # 2 .. 4096
 GROUPS = ("embeddings / output", "attention", "MLP", "norms", "other")
-# geometric centre of each bin; index 0 is the exact zeros (s = 0)
-BIN_S = np.concatenate([[0.0], 10.0 ** (HIST_LOG10_MIN + (np.arange(HIST_BINS) + 0.5) / HIST_BINS_PER_DECADE)])
-BIN_LOW = np.concatenate([[0.0], 10.0 ** (HIST_LOG10_MIN + np.arange(HIST_BINS) / HIST_BINS_PER_DECADE)])
-
-
 class AdviseError(Exception):
     """Bad input: one line for the user, exit 2."""
-
-
-@dataclass
-class Histogram:
-    """One step's histogram of a set of coordinates (a tensor, a group or the model): arrays over 1 + HIST_BINS."""
-    counts: np.ndarray
-    energy: np.ndarray
-
-    def __add__(self, other: Histogram) -> Histogram:
-        return Histogram(self.counts + other.counts, self.energy + other.energy)
-
-
-def histogram_of(record: dict) -> Histogram:
-    counts, energy = np.zeros(1 + HIST_BINS), np.zeros(1 + HIST_BINS)
-    bins = np.asarray(record["hist_bins"], dtype=int) + 1
-    counts[0], energy[0] = record["hist_zeros"], record["hist_zeros_energy"]
-    counts[bins], energy[bins] = record["hist_count"], record["hist_energy"]
-    return Histogram(counts, energy)
-
-
-def update_rms_ratio(h: Histogram, c: float, eps: float, run_eps: float) -> float:
-    """Predicted RMS of AdamW's update at multiplier c over that at c = 1, both with `eps`."""
-    m_sq = h.energy * (BIN_S + run_eps) ** 2  # per bin sum of m_hat^2 (exact for eps == run_eps)
-    at_one = (m_sq / (BIN_S + eps) ** 2).sum()
-    if at_one == 0:
-        return 1.0
-    return float(math.sqrt((m_sq / (BIN_S + eps / c) ** 2).sum() / at_one))
-
-
-def eps_dominated_share(h: Histogram, c: float, eps: float) -> float:
-    """Share of coordinates with c * s < eps; the bin holding the threshold counts pro rata in log s."""
-    total = h.counts.sum()
-    if total == 0:
-        return 0.0
-    threshold = eps / c
-    below = h.counts[0] + h.counts[1:][BIN_LOW[1:] * 10 ** (1 / HIST_BINS_PER_DECADE) <= threshold].sum()
-    inside = (BIN_LOW[1:] <= threshold) & (threshold < BIN_LOW[1:] * 10 ** (1 / HIST_BINS_PER_DECADE))
-    if inside.any():
-        b = int(np.flatnonzero(inside)[0])
-        below += h.counts[1 + b] * (math.log10(threshold / BIN_LOW[1 + b]) * HIST_BINS_PER_DECADE)
-    return float(min(below / total, 1.0))
 
 
 def largest_safe_eps(h: Histogram, c: float, run_eps: float) -> float:
@@ -185,7 +138,7 @@ def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFram
         if histograms[ref] is None:
             continue
         eps, steps = histograms[ref]
-        mine, theirs = curve(curves, r.run, "train/update_rms"), curve(curves, ref, "train/update_rms")
+        mine, theirs = curve(curves, r.run, UPDATE_RMS), curve(curves, ref, UPDATE_RMS)
         for step, groups in steps.items():
             if step in mine.index and step in theirs.index and theirs[step] > 0:
                 predicted, measured = update_rms_ratio(groups["all"], r.c_eff, eps, eps), mine[step] / theirs[step]

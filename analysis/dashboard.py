@@ -27,19 +27,29 @@ from omegaconf import OmegaConf
 from analysis.load import read_jsonl, run_dirs
 from experiments.frequency import BUCKETS
 from experiments.metrics import write_text_atomic
+from experiments.records import (
+    EPS_DOMINATED,
+    EVAL_LOSS,
+    GRAD_NORM,
+    SQRT_V_RMS,
+    TRAIN_LOSS,
+    UPDATE_RMS,
+    eval_loss_of,
+    output_update_rms_of,
+)
 
 # The views, in order: (section, [(kind, metric, log_y)]). A panel whose metric no run of the sweep logs
 # (adam/* in an SGD-only sweep) is left out. Metric names are the keys of metrics.jsonl (experiments/train.py).
 VIEWS = (
-    ("Loss by optimizer and scale", [("line", "train/loss", False), ("scatter", "train/loss", False)]),
+    ("Loss by optimizer and scale", [("line", TRAIN_LOSS, False), ("scatter", TRAIN_LOSS, False)]),
     ("Grad norm: the ratio between scales is the gap on the log axis",
-     [("line", "train/grad_norm", True), ("scatter", "train/grad_norm", True)]),
-    ("Update RMS", [("line", "train/update_rms", True)]),
-    ("Adam: eps-dominated share", [("line", "adam/eps_dominated_frac", False), ("line", "adam/sqrt_v_rms", True)]),
-    ("Eval loss", [("line", "eval/loss", False), ("bar", "eval/loss", False)]),
+     [("line", GRAD_NORM, True), ("scatter", GRAD_NORM, True)]),
+    ("Update RMS", [("line", UPDATE_RMS, True)]),
+    ("Adam: eps-dominated share", [("line", EPS_DOMINATED, False), ("line", SQRT_V_RMS, True)]),
+    ("Eval loss", [("line", EVAL_LOSS, False), ("bar", EVAL_LOSS, False)]),
     ("Where the cut lands: held-out loss and output-row updates by token frequency",
-     [("line", f"eval/loss_{bucket}", False) for bucket in BUCKETS]
-     + [("line", f"train/output_update_rms_{bucket}", True) for bucket in BUCKETS]),
+     [("line", eval_loss_of(bucket), False) for bucket in BUCKETS]
+     + [("line", output_update_rms_of(bucket), True) for bucket in BUCKETS]),
 )
 STEP = "step"  # every record carries it; RunLog makes it W&B's step metric (W&B's own _step counts log calls)
 GROUP_FIRST, GROUP_LAST = "optimizer.name", "scale"  # the study's two axes, in every run's config

@@ -21,6 +21,7 @@ from matplotlib.lines import Line2D
 from analysis.load import curve, short_number
 from analysis.tables import max_divergence, one_percent_thresholds, pair_references
 from analysis.theory import clipped_share as predicted_clipped_share
+from experiments.records import EPS_DOMINATED, GRAD_NORM, TRAIN_LOSS, UPDATE_RMS, eval_loss_of, output_update_rms_of
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
 # notebook shows each returned figure exactly once.
@@ -225,7 +226,7 @@ def _top(values: list[np.ndarray], factor: float) -> float | None:
     return float(max(v.max() for v in finite)) * factor if finite else None
 
 
-def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = "train/loss"):
+def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = TRAIN_LOSS):
     """Training loss per setup, one line per scale/fix (and lr when the sweep has several)."""
     series = {r.run: curve(curves, r.run, metric) for r in runs.itertuples()}
     kept = [series[r.run].to_numpy(float) for r in runs.itertuples() if not _diverged(r, series[r.run])]
@@ -251,7 +252,7 @@ def _paired(runs: pd.DataFrame):
 def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
     """|loss(run) - loss(reference)| vs step, log y shared by the panels; reference = same run at scale 1
     with the fix on."""
-    pairs = [(r, (curve(curves, r.run, "train/loss") - curve(curves, ref, "train/loss")).abs())
+    pairs = [(r, (curve(curves, r.run, TRAIN_LOSS) - curve(curves, ref, TRAIN_LOSS)).abs())
              for r, ref in _paired(runs)]
     top = _top([d.to_numpy() for r, d in pairs if not _diverged(r, d)], 3.0)
     plot = CurveFigure(runs.setup, "|loss - loss(reference: scale 1, fix on)|", log_y=True)
@@ -263,7 +264,7 @@ def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
 def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
     """grad_norm(run) / grad_norm(reference) vs step, log y shared by the panels: flat at exactly c_eff
     (dotted, in the line's colour) until the trajectories part."""
-    pairs = [(r, curve(curves, r.run, "train/grad_norm") / curve(curves, ref, "train/grad_norm"))
+    pairs = [(r, curve(curves, r.run, GRAD_NORM) / curve(curves, ref, GRAD_NORM))
              for r, ref in _paired(runs)]
     top = _top([q.to_numpy() for r, q in pairs if not _diverged(r, q)] + [np.array([r.c_eff]) for r, _ in pairs], 3.0)
     plot = CurveFigure(runs.setup, "grad norm / grad norm(reference)", log_y=True)
@@ -397,7 +398,7 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
                               label=f"{setup}: measured"))
         reference = references[group.index[0]]
         if reference is not None:
-            norms = curve(curves, reference, "train/grad_norm").to_numpy()
+            norms = curve(curves, reference, GRAD_NORM).to_numpy()
             grid = np.logspace(np.log10(group.c_eff.min()), np.log10(group.c_eff.max()), 200)
             predicted = [predicted_clipped_share(c, norms, float(group["clip"].iloc[0])) for c in grid]
             ax.plot(grid, predicted, color=style["color"], ls=style["ls"], lw=1)
@@ -465,13 +466,13 @@ def final_loss_heatmap(runs: pd.DataFrame):
 
 def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
     """eps-dominated share of coordinates and update RMS vs step, for Adam-type runs."""
-    adam = runs[[not curve(curves, r.run, "adam/eps_dominated_frac").empty for r in runs.itertuples()]]
+    adam = runs[[not curve(curves, r.run, EPS_DOMINATED).empty for r in runs.itertuples()]]
     several_setups = adam.setup.nunique() > 1
     plot = CurveFigure(["eps-dominated share", "update RMS"], "Adam's state per run", sharey=False)
     for r in adam.itertuples():
         label = (f"{r.setup} " if several_setups else "") + _label(r, adam)
-        plot.draw("eps-dominated share", curve(curves, r.run, "adam/eps_dominated_frac"), label)
-        plot.draw("update RMS", curve(curves, r.run, "train/update_rms"), label)
+        plot.draw("eps-dominated share", curve(curves, r.run, EPS_DOMINATED), label)
+        plot.draw("update RMS", curve(curves, r.run, UPDATE_RMS), label)
     fig = plot.finish("step", "")
     share_ax, rms_ax = plot.axes.values()
     share_ax.set_ylabel("share with sqrt(v_hat) < eps")
@@ -513,9 +514,9 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     ranges = {"unseen": "0", "rare": f"{low}-{mid - 1}", "middle": f"{mid}-{high - 1}", "frequent": f">= {high}"}
     titles = {b: f"{b} (trained {ranges[b]} times)" for b in BUCKETS}
     metric, title, ylabel, level = {
-        "loss": ("eval/loss_{}", "held-out loss by how often the target token is trained: run minus reference",
+        "loss": (eval_loss_of, "held-out loss by how often the target token is trained: run minus reference",
                  "Δ held-out loss (nats)", 0.0),
-        "update": ("train/output_update_rms_{}", "update RMS of the output-matrix rows by how often the token is "
+        "update": (output_update_rms_of, "update RMS of the output-matrix rows by how often the token is "
                    "trained: run over reference", "update RMS / reference's", 1.0),
     }[what]
     several_setups = runs.setup.nunique() > 1
@@ -523,7 +524,7 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     for r, reference in _paired(runs):
         label = (f"{r.setup} " if several_setups else "") + _label(r, runs)
         for bucket in BUCKETS:
-            run_curve, ref_curve = (curve(curves, name, metric.format(bucket)) for name in (r.run, reference))
+            run_curve, ref_curve = (curve(curves, name, metric(bucket)) for name in (r.run, reference))
             series = run_curve - ref_curve if what == "loss" else run_curve / ref_curve
             plot.draw(titles[bucket], series.dropna(), label)
     for ax in plot.axes.values():

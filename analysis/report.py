@@ -29,6 +29,7 @@ from analysis.tables import (
     theory_table,
 )
 from experiments.frequency import BUCKETS
+from experiments.records import EPS_DOMINATED, EVAL_LOSS, eval_loss_of
 
 log = logging.getLogger(__name__)
 DPI = 200
@@ -38,13 +39,13 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
     """(file stem, figure maker or None, reason when None) for every standard figure."""
     paired = pair_references(runs)
     has_pairs = any(ref is not None and ref != run for ref, run in zip(paired, runs.run))
-    adam = (curves.metric == "adam/eps_dominated_frac").any()
+    adam = (curves.metric == EPS_DOMINATED).any()
     lrs_per_opt = runs.groupby("setup").lr.nunique().max()
     c_per_opt = runs.groupby("setup").c_eff.nunique().max()
     several_eps = runs[runs.eps.notna()].groupby("optimizer").eps.nunique().max() > 1
     clipped = runs["clip"].notna().any() and runs.clipped_steps.notna().any()
     no_ref = "no run pairs with a reference (same config at scale 1, fix on)"
-    buckets = (curves.metric == "eval/loss_rare").any()
+    buckets = (curves.metric == eval_loss_of("rare")).any()
     no_buckets = "no run logged the token-frequency buckets (experiments/frequency.py)"
     return [
         ("loss_curves", lambda: plots.loss_curves(runs, curves), ""),
@@ -98,7 +99,7 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
     theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
     eps_shares = eps_share_table(runs)
     advisor = advisor_vs_measured(runs, curves)
-    band = seed_band_table(runs, curves, ["eval/loss", *(f"eval/loss_{b}" for b in BUCKETS)])
+    band = seed_band_table(runs, curves, [EVAL_LOSS, *(eval_loss_of(b) for b in BUCKETS)])
     run_columns = ["run", "model", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]
     lines = [

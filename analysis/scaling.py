@@ -24,10 +24,11 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from analysis.advise import BIN_LOW, WITHIN, AdviseError, Histogram, load_histograms, update_rms_ratio
+from analysis.advise import WITHIN, AdviseError, load_histograms
 from analysis.load import short_number
 from analysis.plots import plain_ticks
-from experiments.optim import HIST_BINS_PER_DECADE
+from analysis.theory import BIN_LOW, Histogram, update_rms_ratio
+from experiments.records import HIST_BINS_PER_DECADE
 from experiments.sweep import job_dirs, render_table
 
 # parameter counts of the Llama 3.2 checkpoints (tied embeddings), for the extrapolation

@@ -17,6 +17,7 @@ from analysis.load import curve, read_jsonl, short_number
 from analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group, twin_value
 from experiments.optimizers import entry as optimizer_entry
 from experiments.recipes import with_fix
+from experiments.records import GRAD_NORM, TRAIN_LOSS
 
 # Columns that make two runs "the same experiment" apart from the studied factor.
 PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
@@ -54,8 +55,8 @@ def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
         if references[i] is None or references[i] == r.run:
             out[r.run] = np.nan if references[i] is None else 0.0
             continue
-        mine = curve(curves, r.run, "train/loss")
-        delta = (mine - curve(curves, references[i], "train/loss")).abs()
+        mine = curve(curves, r.run, TRAIN_LOSS)
+        delta = (mine - curve(curves, references[i], TRAIN_LOSS)).abs()
         diverged = r.status == "diverged" or not np.isfinite(mine.to_numpy()).all()
         out[r.run] = np.inf if diverged else float(delta.max()) if len(delta.dropna()) else np.nan
     return pd.Series(out)
@@ -117,7 +118,7 @@ def equivalence_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
     table = equivalent_references(runs)
     deltas = []
     for r in table.itertuples():
-        delta = (curve(curves, r.run, "train/loss") - curve(curves, r.equivalent, "train/loss")).abs()
+        delta = (curve(curves, r.run, TRAIN_LOSS) - curve(curves, r.equivalent, TRAIN_LOSS)).abs()
         deltas.append(float(delta.max()) if len(delta.dropna()) else math.nan)
     return table.assign(**{"max abs Δloss": deltas})
 
@@ -135,7 +136,7 @@ def measured_bands(runs: pd.DataFrame, curves: pd.DataFrame) -> dict[str, tuple[
         if r.setup in bands:
             continue
         if r.clip is not None and not pd.isna(r.clip):
-            norms = curve(curves, r.run, "train/grad_norm").to_numpy()
+            norms = curve(curves, r.run, GRAD_NORM).to_numpy()
             if len(norms):
                 bands[r.setup] = clipping_band(norms, float(r.clip))
             continue
@@ -194,7 +195,7 @@ def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
     for i, r in zip(runs.index, runs.itertuples()):
         ratio = math.nan
         if references[i] is not None:
-            mine, ref = curve(curves, r.run, "train/grad_norm"), curve(curves, references[i], "train/grad_norm")
+            mine, ref = curve(curves, r.run, GRAD_NORM), curve(curves, references[i], GRAD_NORM)
             if len(mine) and len(ref):
                 ratio = float(mine.iloc[0] / ref.iloc[0])
         clipped = r.clipped_steps / r.steps_done if r.clip is not None and r.steps_done else math.nan

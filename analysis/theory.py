@@ -1,4 +1,5 @@
-"""What the theory predicts (docs/design.md, physics 2-4), as plain functions of measured quantities.
+"""What the theory predicts (docs/design.md, physics 2-4), as plain functions of measured quantities: the one
+copy of each equation, which the advisor, the report and the tests all run.
 
 Notation: c = effective gradient multiplier, s = a coordinate's sqrt(v_hat) at c = 1, eps = Adam's eps.
 c_eff itself is experiments.recipes' (Recipe.c_eff), the one rule the trainer and the analysis share.
@@ -6,13 +7,25 @@ c_eff itself is experiments.recipes' (Recipe.c_eff), the one rule the trainer an
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
+
+from experiments.records import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
+
+
+def adam_denominator(s, eps: float, c=1.0):
+    """Adam's denominator at multiplier c in units of the c = 1 gradient: c * sqrt(v_hat) + eps = c * (s + eps / c).
+    The update m_hat / (sqrt(v_hat) + eps) at c is then (m_hat at c = 1) / (s + eps / c): the one equation
+    behind every ratio below."""
+    return np.asarray(s, dtype=float) + eps / np.asarray(c, dtype=float)
 
 
 def update_ratio(c, s, eps):
-    """Adam's per-coordinate update at multiplier c relative to c = 1 with eps -> 0: r = c*s / (c*s + eps)."""
-    c, s = np.asarray(c, dtype=float), np.asarray(s, dtype=float)
-    return c * s / (c * s + eps)
+    """Adam's per-coordinate update at multiplier c over that at c = 1 (same eps): (s + eps) / (s + eps / c);
+    1 without eps, about c * s / eps once eps / c >> s."""
+    return adam_denominator(s, eps) / adam_denominator(s, eps, c)
 
 
 def critical_scale(s, eps):
@@ -26,11 +39,56 @@ def twin_value(value: float, c: float, power: int) -> float:
     return value * c if power == 1 else value / c if power == -1 else value * c**power
 
 
-def eps_dominated_share(c: float, s, eps: float, weights=None) -> float:
-    """Share of coordinates with c*s < eps (weights: coordinates each s stands for)."""
-    s = np.asarray(s, dtype=float)
-    weights = np.ones_like(s) if weights is None else np.asarray(weights, dtype=float)
-    return float(weights[c * s < eps].sum() / weights.sum())
+# A sqrt(v_hat) histogram (experiments/records.py has its layout): index 0 the exact zeros, then bins of
+# 1/8 decade. The geometric centre of each bin stands for its coordinates' s.
+BIN_S = np.concatenate([[0.0], 10.0 ** (HIST_LOG10_MIN + (np.arange(HIST_BINS) + 0.5) / HIST_BINS_PER_DECADE)])
+BIN_LOW = np.concatenate([[0.0], 10.0 ** (HIST_LOG10_MIN + np.arange(HIST_BINS) / HIST_BINS_PER_DECADE)])
+
+
+@dataclass
+class Histogram:
+    """One step's histogram of a set of coordinates (a tensor, a group or the model), over 1 + HIST_BINS:
+    counts, and energy, the sum of the squared unscaled update (m_hat / (s + eps))^2 at c = 1."""
+    counts: np.ndarray
+    energy: np.ndarray
+
+    def __add__(self, other: Histogram) -> Histogram:
+        return Histogram(self.counts + other.counts, self.energy + other.energy)
+
+
+def histogram_of(record: dict) -> Histogram:
+    """The Histogram of one adam_stats.jsonl record (its empty bins left out there)."""
+    counts, energy = np.zeros(1 + HIST_BINS), np.zeros(1 + HIST_BINS)
+    bins = np.asarray(record["hist_bins"], dtype=int) + 1
+    counts[0], energy[0] = record["hist_zeros"], record["hist_zeros_energy"]
+    counts[bins], energy[bins] = record["hist_count"], record["hist_energy"]
+    return Histogram(counts, energy)
+
+
+def update_rms_ratio(h: Histogram, c: float, eps: float, run_eps: float) -> float:
+    """Predicted RMS of Adam's update at multiplier c over that at c = 1, both with `eps`, to bin resolution:
+    ratio^2 = sum_b m_b^2 / D(s_b, c)^2 / sum_b m_b^2 / D(s_b, 1)^2, D = adam_denominator. The bins' m_hat^2
+    come from the run's own eps: m_b^2 = E_b * D(s_b, 1; run_eps)^2 (exact for eps == run_eps)."""
+    m_sq = h.energy * adam_denominator(BIN_S, run_eps) ** 2
+    at_one = (m_sq / adam_denominator(BIN_S, eps) ** 2).sum()
+    if at_one == 0:
+        return 1.0
+    return float(math.sqrt((m_sq / adam_denominator(BIN_S, eps, c) ** 2).sum() / at_one))
+
+
+def eps_dominated_share(h: Histogram, c: float, eps: float) -> float:
+    """Share of coordinates with c * s < eps (eps dominates their denominator); the bin holding the threshold
+    counts pro rata in log s."""
+    total = h.counts.sum()
+    if total == 0:
+        return 0.0
+    threshold = eps / c
+    below = h.counts[0] + h.counts[1:][BIN_LOW[1:] * 10 ** (1 / HIST_BINS_PER_DECADE) <= threshold].sum()
+    inside = (BIN_LOW[1:] <= threshold) & (threshold < BIN_LOW[1:] * 10 ** (1 / HIST_BINS_PER_DECADE))
+    if inside.any():
+        b = int(np.flatnonzero(inside)[0])
+        below += h.counts[1 + b] * (math.log10(threshold / BIN_LOW[1 + b]) * HIST_BINS_PER_DECADE)
+    return float(min(below / total, 1.0))
 
 
 def breakdown_band(sqrt_v_quantiles: dict[str, float], eps: float, low: str = "q10", high: str = "q90"):

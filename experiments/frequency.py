@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from experiments.data import IGNORE_INDEX
+from experiments.records import eval_loss_of, eval_tokens_of, output_update_rms_of
 
 BUCKET_EDGES = (1, 10, 100)  # trained-target count in the training split: 0 | 1-9 | 10-99 | 100 or more
 BUCKETS = ("unseen", "rare", "middle", "frequent")
@@ -36,9 +37,9 @@ class TokenBuckets:
         record = {}
         for i, name in enumerate(BUCKETS):
             tokens = int(token_counts[i])
-            record[f"eval/tokens_{name}"] = tokens
+            record[eval_tokens_of(name)] = tokens
             if tokens:
-                record[f"eval/loss_{name}"] = float(loss_sums[i]) / tokens
+                record[eval_loss_of(name)] = float(loss_sums[i]) / tokens
         return record
 
     def bucket_sums(self, token_losses: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +60,6 @@ class TokenBuckets:
         for i, name in enumerate(BUCKETS):
             in_bucket = self.of_token == i
             if in_bucket.any():
-                record[f"train/output_update_rms_{name}"] = float(
+                record[output_update_rms_of(name)] = float(
                     (squares[in_bucket].sum() / (in_bucket.sum() * before.shape[1])).sqrt())
         return record

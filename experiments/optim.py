@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from experiments.parallel import Ranks, local
+from experiments.records import EPS_DOMINATED, HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN, SQRT_V_RMS
 
 
 class _ForeachOptimizer(torch.optim.Optimizer):
@@ -155,10 +156,6 @@ def adam_moments(optimizer: torch.optim.Optimizer):
                 yield p, local(state["exp_avg"]), local(state["exp_avg_sq"]), 1 - beta1**t, 1 - beta2**t, group["eps"]
 
 
-# The histogram over log10(sqrt(v_hat)) behind the risk advisor (analysis.advise): fixed bins of 1/8 decade
-# from 1e-20 to 1e2 (values outside fall into the end bins), and exact zeros apart.
-HIST_LOG10_MIN, HIST_LOG10_MAX, HIST_BINS_PER_DECADE = -20, 2, 8
-HIST_BINS = (HIST_LOG10_MAX - HIST_LOG10_MIN) * HIST_BINS_PER_DECADE
 HIST_CHUNK = 1 << 20
 
 
@@ -241,4 +238,4 @@ def adam_state_stats(optimizer: torch.optim.Optimizer, ranks: Ranks | None = Non
                           torch.tensor(float(count), device=sum_v[0].device)])
     if ranks is not None:
         totals = ranks.sum_if_sharded(totals)
-    return {"adam/sqrt_v_rms": torch.sqrt(totals[0] / totals[2]), "adam/eps_dominated_frac": totals[1] / totals[2]}
+    return {SQRT_V_RMS: torch.sqrt(totals[0] / totals[2]), EPS_DOMINATED: totals[1] / totals[2]}

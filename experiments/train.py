@@ -23,6 +23,17 @@ from experiments.grads import (
 from experiments.metrics import RunLog
 from experiments.optim import adam_state_stats, sqrt_v_quantiles
 from experiments.parallel import Ranks, local
+from experiments.records import (
+    CLIPPED,
+    EVAL_LOSS,
+    GRAD_NORM,
+    LR,
+    PARAM_NORM,
+    TOKENS,
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    UPDATE_RMS,
+)
 
 if TYPE_CHECKING:
     from experiments.frequency import TokenBuckets
@@ -101,28 +112,28 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
 
         if logging_step:
             stats = {
-                "train/loss": ranks.sum(loss_sum) / num_tokens,  # global token mean: independent of fix, scale
-                "train/grad_norm": grad_norm,
-                "train/clipped": clipped,
-                "train/update_rms": update_rms,
-                "train/param_norm": total_norm(params, ranks),
+                TRAIN_LOSS: ranks.sum(loss_sum) / num_tokens,  # global token mean: independent of fix, scale
+                GRAD_NORM: grad_norm,
+                CLIPPED: clipped,
+                UPDATE_RMS: update_rms,
+                PARAM_NORM: total_norm(params, ranks),
                 **adam_state_stats(optimizer, ranks),
             }
             record = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one sync
-            record["train/clipped"] = bool(record["train/clipped"])
+            record[CLIPPED] = bool(record[CLIPPED])
             elapsed, window_start = time.perf_counter() - window_start, time.perf_counter()
             tokens_per_s = window_tokens / elapsed
             window_tokens = 0
             log_record(run_log,
-                {"step": step, **record, "train/lr": optimizer.param_groups[0]["lr"],
-                 "train/tokens": num_tokens, "perf/tokens_per_s": tokens_per_s}
+                {"step": step, **record, LR: optimizer.param_groups[0]["lr"],
+                 TOKENS: num_tokens, TOKENS_PER_S: tokens_per_s}
             )
             log.info(
                 "step %d/%d | loss %.4f | grad_norm %.3e | %.0f tok/s",
-                step, steps, record["train/loss"], record["train/grad_norm"], tokens_per_s,
+                step, steps, record[TRAIN_LOSS], record[GRAD_NORM], tokens_per_s,
             )
-            final_loss = record["train/loss"]
-            if not (math.isfinite(record["train/loss"]) and math.isfinite(record["train/grad_norm"])):
+            final_loss = record[TRAIN_LOSS]
+            if not (math.isfinite(record[TRAIN_LOSS]) and math.isfinite(record[GRAD_NORM])):
                 log.warning("non-finite loss or grad norm at step %d: run diverged", step)
                 return result("diverged", step + 1, step)
 
@@ -136,7 +147,7 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
             if rows_before is not None:
                 eval_record.update(buckets.row_update_record(rows_before))
             log_record(run_log, {"step": step, **eval_record})
-            eval_loss = eval_record["eval/loss"]
+            eval_loss = eval_record[EVAL_LOSS]
             log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
             if not math.isfinite(eval_loss):  # weights gone non-finite after the last logged step
                 log.warning("non-finite eval loss at step %d: run diverged", step)
@@ -228,7 +239,7 @@ def evaluate(model, batches: Batches, max_batches: int, autocast, device, bucket
             sums, counts = buckets.bucket_sums(losses, targets)
             bucket_losses, bucket_tokens = bucket_losses + sums, bucket_tokens + counts
     model.train()
-    record = {"eval/loss": loss_sum.item() / tokens}
+    record = {EVAL_LOSS: loss_sum.item() / tokens}
     if buckets is not None:
         record.update(buckets.loss_record(bucket_losses, bucket_tokens))
     return record

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import advise
+from analysis import advise, theory
 from analysis.load import load, read_jsonl
-from experiments.optim import HIST_BINS, sqrt_v_histograms, sqrt_v_quantiles
+from experiments.optim import sqrt_v_histograms, sqrt_v_quantiles
+from experiments.records import HIST_BINS
 from tests.conftest import OFFLINE_ENV, ROOT, TINY
 
 
@@ -52,19 +53,20 @@ def test_histograms_hold_every_coordinate_and_the_update_energy():
 def test_predicted_ratio_and_share_match_a_per_coordinate_computation():
     params, optimizer = adamw_with_state()
     records = sqrt_v_quantiles(optimizer, {p: f"model.layers.0.mlp.w{i}" for i, p in enumerate(params)}, 3)
-    histogram = advise.histogram_of(records[0])
+    histogram = theory.histogram_of(records[0])
     m_hat, s = moments(optimizer, params[0])
-    for c in (1.0, 1e-2, 1e-4, 1e-6):
-        direct = ((m_hat / (s + 1e-8 / c)).norm() / (m_hat / (s + 1e-8)).norm()).item()
-        assert advise.update_rms_ratio(histogram, c, 1e-8, 1e-8) == pytest.approx(direct, rel=0.02), c
+    at_one = m_hat / (s + 1e-8)
+    for c in (1.0, 1e-2, 1e-4, 1e-6):  # per coordinate (theory.update_ratio) against the histogram's binned form
+        direct = ((at_one * torch.from_numpy(theory.update_ratio(c, s.numpy(), 1e-8))).norm() / at_one.norm()).item()
+        assert theory.update_rms_ratio(histogram, c, 1e-8, 1e-8) == pytest.approx(direct, rel=0.02), c
         share = (c * s < 1e-8).double().mean().item()
-        assert advise.eps_dominated_share(histogram, c, 1e-8) == pytest.approx(share, abs=0.01), c
+        assert theory.eps_dominated_share(histogram, c, 1e-8) == pytest.approx(share, abs=0.01), c
     # another eps than the run's: the same direct computation at eps 1e-10
     direct = ((m_hat / (s + 1e-10 / 1e-4)).norm() / (m_hat / (s + 1e-10)).norm()).item()
-    assert advise.update_rms_ratio(histogram, 1e-4, 1e-10, 1e-8) == pytest.approx(direct, rel=0.02)
+    assert theory.update_rms_ratio(histogram, 1e-4, 1e-10, 1e-8) == pytest.approx(direct, rel=0.02)
     # the largest eps within 1% is where the ratio crosses 0.99
     safe = advise.largest_safe_eps(histogram, 1e-4, 1e-8)
-    assert advise.update_rms_ratio(histogram, 1e-4, safe, 1e-8) >= 0.99 > advise.update_rms_ratio(
+    assert theory.update_rms_ratio(histogram, 1e-4, safe, 1e-8) >= 0.99 > theory.update_rms_ratio(
         histogram, 1e-4, safe * 1.1, 1e-8)
 
 

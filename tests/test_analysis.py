@@ -45,11 +45,15 @@ def synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"), lrs=(1e-3,), ste
 def test_c_eff_and_theory():
     assert c_eff(1.0, normalization_in_effect(fix=False, normalization="global_tokens"), world_size=8) == 1 / 8
     assert c_eff(8.0, normalization_in_effect(fix=True, normalization="global_tokens"), world_size=8) == 8
-    assert theory.update_ratio(1.0, 1e-8, 1e-8) == pytest.approx(0.5)
+    assert theory.update_ratio(1.0, 1e-8, 1e-8) == 1.0  # against c = 1 itself
+    assert theory.update_ratio(1 / 8, 1e-8, 1e-8) == pytest.approx(2 / 9)  # (s + eps) / (s + 8 eps)
+    assert theory.update_ratio(1e-6, 1.0, 0.0) == 1.0  # no eps: invariant
     assert theory.critical_scale(1e-4, 1e-8) == pytest.approx(1e-4)
     assert theory.twin_value(0.1, 8, 1) == pytest.approx(0.8)  # SGD's lr
     assert theory.twin_value(1e-8, 8, -1) == 1e-8 / 8  # AdamW's eps, exactly
-    assert theory.eps_dominated_share(1.0, [1e-9, 1e-7, 1e-6, 1e-5], 1e-8) == 0.25
+    counts = np.zeros(len(theory.BIN_LOW))  # one coordinate in each of four bins, their lower edges exact
+    counts[[np.searchsorted(theory.BIN_LOW, s, side="right") - 1 for s in (1e-9, 1e-7, 1e-6, 1e-5)]] = 1
+    assert theory.eps_dominated_share(theory.Histogram(counts, counts), 1.0, 1e-8) == 0.25
     c_start, c_all = theory.breakdown_band({"q10": 1e-6, "q90": 1e-3}, 1e-8)
     assert c_start == pytest.approx(1e-2) and c_all == pytest.approx(1e-5)
 

@@ -11,16 +11,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import advise, scaling
-from experiments.optim import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
+from analysis import advise, scaling, theory
+from experiments.records import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
 from tests.conftest import OFFLINE_ENV, ROOT
 
 
-def histogram_of_values(s: np.ndarray) -> advise.Histogram:
+def histogram_of_values(s: np.ndarray) -> theory.Histogram:
     counts = np.zeros(1 + HIST_BINS)
     index = np.floor((np.log10(s) - HIST_LOG10_MIN) * HIST_BINS_PER_DECADE).astype(int).clip(0, HIST_BINS - 1) + 1
     np.add.at(counts, index, 1)
-    return advise.Histogram(counts, counts.copy())  # energy: one per coordinate
+    return theory.Histogram(counts, counts.copy())  # energy: one per coordinate
 
 
 def test_quantile_is_the_values_quantile_to_bin_resolution():
@@ -45,8 +45,8 @@ def test_fit_recovers_a_power_law_and_its_interval_covers_the_truth():
 def test_critical_world_size_is_where_the_update_is_cut_by_one_percent():
     h = histogram_of_values(10 ** np.random.default_rng(2).normal(-5, 1, 50_000))
     n = scaling.critical_world_size(h, 1e-8)
-    assert advise.update_rms_ratio(h, 1 / n, 1e-8, 1e-8) == pytest.approx(advise.WITHIN, abs=1e-6)
-    assert advise.update_rms_ratio(h, 1 / (2 * n), 1e-8, 1e-8) < advise.WITHIN
+    assert theory.update_rms_ratio(h, 1 / n, 1e-8, 1e-8) == pytest.approx(advise.WITHIN, abs=1e-6)
+    assert theory.update_rms_ratio(h, 1 / (2 * n), 1e-8, 1e-8) < advise.WITHIN
 
 
 def analysis_cli(*args: str) -> subprocess.CompletedProcess:
