@@ -29,7 +29,9 @@ def adopt_slurm_tasks() -> None:
         return
     import submitit
 
-    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)  # LOCAL_RANK picks the GPU
+    # LOCAL_RANK picks the GPU. overwrite: without it export raises when MASTER_PORT is already set, the one
+    # variable it reads to keep (a port chosen in the job's setup lines); MASTER_ADDR becomes the first node.
+    submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
 
 
 def under_torchrun() -> bool:

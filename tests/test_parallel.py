@@ -181,12 +181,86 @@ def test_scale_out_launchers_run_a_two_job_sweep(cli, tmp_path, launcher):
 
 
 def test_slurm_launcher_config_composes():
+    """hydra/launcher=slurm is submitit's SLURM launcher (its class resolves) with one task per GPU, also when
+    the user changes the GPU count: adopt_slurm_tasks turns each task into one rank on the GPU LOCAL_RANK."""
+    from hydra.utils import get_class
+
     from tests.conftest import compose
 
-    cfg = compose(["hydra/launcher=slurm"], with_hydra=True)
-    launcher = cfg.hydra.launcher
-    assert launcher._target_.endswith("SlurmLauncher")
+    launcher = compose(["hydra/launcher=slurm"], with_hydra=True).hydra.launcher
+    assert get_class(launcher._target_).__name__ == "SlurmLauncher"
     assert launcher.tasks_per_node == launcher.gpus_per_node == 8
+    launcher = compose(["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=4", "hydra.launcher.nodes=2"],
+                       with_hydra=True).hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node) == (2, 4)
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# task 11 of a 16-task job on two 8-GPU nodes, as SLURM and submitit's SLURM executor describe it
+SLURM_TASK = {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_FOLDER": "/tmp/submitit/%j", "SLURM_JOB_ID": "4242",
+              "SLURM_NTASKS": "16", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_PROCID": "11",
+              "SLURM_LOCALID": "3", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+
+
+@pytest.fixture
+def bare_env():
+    """os.environ without any torchrun, SLURM or submitit variable, restored whole afterwards
+    (adopt_slurm_tasks writes os.environ directly, past monkeypatch)."""
+    saved = dict(os.environ)
+    for key in list(os.environ):
+        if key in TORCHRUN_VARS or key.startswith(("SLURM_", "SUBMITIT_")) or key == "CUDA_VISIBLE_DEVICES":
+            del os.environ[key]
+    yield os.environ
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_slurm_tasks_become_torchrun_ranks(bare_env):
+    from experiments.config import ConfigError, validate
+    from experiments.parallel import adopt_slurm_tasks, env_rank, under_torchrun
+    from tests.conftest import compose
+
+    bare_env.update(SLURM_TASK, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
+    adopt_slurm_tasks()
+    assert {k: bare_env.get(k) for k in TORCHRUN_VARS if k != "MASTER_PORT"} == {
+        "RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "MASTER_ADDR": "gpu07"}
+    assert under_torchrun() and env_rank() == 11
+    assert bare_env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"  # every GPU stays visible: LOCAL_RANK picks one
+    port = bare_env["MASTER_PORT"]
+    assert 20000 <= int(port) <= 60000
+    # every task of the job must meet at the same address: task 0 on the first node derives the same port
+    for key in TORCHRUN_VARS:
+        del bare_env[key]
+    bare_env.update(SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0")
+    adopt_slurm_tasks()
+    assert (bare_env["RANK"], bare_env["LOCAL_RANK"], bare_env["MASTER_ADDR"], bare_env["MASTER_PORT"]) == (
+        "0", "0", "gpu07", port)
+    # and the run's world_size is checked against SLURM's task count, as conf/hydra/launcher/slurm.yaml says
+    with pytest.raises(ConfigError, match=r"world_size=8 .*WORLD_SIZE=16"):
+        validate(compose(["world_size=8", "batch_size=16"]), overrides=["world_size=8"])
+
+
+def test_slurm_adoption_keeps_a_given_master_port(bare_env):
+    from experiments.parallel import adopt_slurm_tasks
+
+    bare_env.update(SLURM_TASK, MASTER_PORT="29400")
+    adopt_slurm_tasks()
+    assert (bare_env["RANK"], bare_env["MASTER_PORT"]) == ("11", "29400")
+
+
+@pytest.mark.parametrize("case", ["under torchrun", "one task", "no SLURM", "SLURM without submitit"])
+def test_slurm_adoption_leaves_the_environment_alone(bare_env, case):
+    from experiments.parallel import adopt_slurm_tasks
+
+    if case == "under torchrun":  # torchrun inside the SLURM job: its ranks win
+        bare_env.update(SLURM_TASK, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+    elif case == "one task":  # a one-GPU job: emulated ranks, no process group
+        bare_env.update(SLURM_TASK, SLURM_NTASKS="1", SLURM_PROCID="0", SLURM_LOCALID="0")
+    elif case == "SLURM without submitit":  # the user's own srun, not the launcher's job
+        bare_env.update({k: v for k, v in SLURM_TASK.items() if not k.startswith("SUBMITIT_")})
+    before = dict(bare_env)
+    adopt_slurm_tasks()
+    assert dict(bare_env) == before
 
 
 class _Reduced(Exception):
