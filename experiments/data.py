@@ -190,7 +190,7 @@ def train_bpe(texts: list[str], vocab_size: int, cache_dir: str | None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from experiments.weights import cache_root
+    from experiments.cache import cache_root
 
     digest = content_digest([str(vocab_size), tokenizers.__version__, *texts])
     path = cache_root(cache_dir) / f"tokenizer-bpe{vocab_size}-{digest[:16]}.json"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -26,35 +25,29 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-RECIPE_VERSION = "1"  # bump when the corpus extraction or the recipe below changes
-
-
-def base_digest(model_cfg, files: tuple[Path, ...]) -> str:
-    from importlib import metadata
-
-    from experiments.data import content_digest
-    from experiments.model import llama_config
-
-    parts = [RECIPE_VERSION, llama_config(model_cfg).to_json_string(use_diff=False),
-             json.dumps(vars(model_cfg.pretrain), sort_keys=True)]
-    parts += [f"{p}={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")]
-    files_digest = content_digest(p.read_bytes().decode("utf-8", "replace") for p in files)
-    return content_digest([*parts, files_digest])
-
 
 def pretrained_base(model_cfg) -> Path:
-    """The base's checkpoint directory, built first if it is not cached."""
-    from experiments import data
-    from experiments.weights import build_lock, cache_root
+    """The base's checkpoint directory (weights.base_dir), built first if it is not cached."""
+    from experiments.cache import build_lock
+    from experiments.weights import base_dir
 
-    files = data.stdlib_files()
-    target = cache_root(model_cfg.cache_dir) / "models" / f"base-{model_cfg.name}-{base_digest(model_cfg, files)[:16]}"
+    target = base_dir(model_cfg)
     if (target / "config.json").is_file():
         return target
     with build_lock(target):
         if not (target / "config.json").is_file():
-            build_base(model_cfg, files, target)
+            build_base(model_cfg, target)
     return target
+
+
+def prepare_weights(model_cfg) -> str | None:
+    """The checkpoint directory a run starts from, made first where it is not cached (a GGUF converted, the
+    suite's base pretrained): called where a run starts, before its job is built."""
+    if model_cfg.init == "pretrained" and not (model_cfg.path or model_cfg.gguf_file):
+        pretrained_base(model_cfg)
+    from experiments.weights import checkpoint_dir
+
+    return checkpoint_dir(model_cfg)
 
 
 @contextlib.contextmanager
@@ -71,18 +64,17 @@ def all_cores():
         torch.set_num_threads(threads)
 
 
-def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
+def build_base(model_cfg, target: Path) -> None:
+    """Pretrain the base through the suite's own job builder and loop, on one device."""
     import torch
-    from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from experiments import data, weights
+    from experiments import data, model, weights
+    from experiments.cache import publish
     from experiments.config import WandbConfig
     from experiments.grads import GradPipeline
-    from experiments.job import Job
+    from experiments.job import assemble_job
     from experiments.metrics import RunLog
-    from experiments.model import llama_config
-    from experiments.optimizers import build_optimizer
     from experiments.optimizers.adamw import AdamWConfig
     from experiments.parallel import Ranks
     from experiments.train import LoopConfig, train
@@ -90,6 +82,7 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     pre = model_cfg.pretrain
     log.info("building the pretrained base for model=%s (%d steps; once, then cached) -> %s",
              model_cfg.name, pre.steps, target)
+    files = data.stdlib_files()
     texts = [d.text for d in data.stdlib_docstrings(files)]
     log.info("corpus: %d docstrings, %.2fM characters, from %d standard-library files",
              len(texts), sum(map(len, texts)) / 1e6, len(files))
@@ -104,14 +97,12 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
     log.info("pretraining on %d sequences of %d tokens (%.1f epochs)", len(split[0]), pre.seq_len,
              pre.steps * pre.batch_size / len(split[0]))
 
-    torch.manual_seed(pre.seed)
-    model = LlamaForCausalLM(llama_config(model_cfg))
-    optimizer = build_optimizer(AdamWConfig(lr=pre.lr, weight_decay=0.1), list(model.named_parameters()))
+    net = model.build_model(model_cfg, pre.seed, torch.device("cpu"))  # the seeded random init
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True)
     run_log = RunLog(tmp, WandbConfig(mode="disabled"), name="pretrain", group=None, tags=[], config={})
-    job = Job(model, optimizer, batches, GradPipeline(world_size=1, scale=1.0), Ranks(world_size=1),
-              torch.device("cpu"), contextlib.nullcontext())
+    job = assemble_job(net, AdamWConfig(lr=pre.lr, weight_decay=0.1), batches, GradPipeline(world_size=1, scale=1.0),
+                       Ranks(world_size=1), torch.device("cpu"), precision="fp32", buckets=False)
     loop = LoopConfig(steps=pre.steps, log_every=max(1, pre.steps // 20), eval_every=max(1, pre.steps // 5),
                       eval_batches=4, adam_stats_every=None)
     with all_cores():
@@ -122,9 +113,9 @@ def build_base(model_cfg, files: tuple[Path, ...], target: Path) -> None:
         raise weights.WeightsError(f"error: pretraining the base diverged at step {result.diverged_at_step} "
                                    f"(model.pretrain.lr={pre.lr} is too high)")
     hf_logging.disable_progress_bar()  # the progress lines above say enough
-    model.save_pretrained(tmp)
+    net.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    weights.publish(tmp, target)
+    publish(tmp, target)
     log.info("pretrained base: train loss %.3f, eval loss %.3f -> %s", result.final_loss, result.best_eval_loss,
              target)
 
@@ -158,7 +149,7 @@ def main(argv: list[str]) -> int:
 
     argv = build_parser().parse_args(argv).overrides
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s", stream=sys.stderr)
-    from experiments.run import keep_freed_memory
+    from experiments.cache import keep_freed_memory
 
     keep_freed_memory()
     cfg = compose(argv)

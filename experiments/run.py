@@ -7,7 +7,6 @@ Each job's folder (Hydra's output dir) gets metrics.jsonl, summary.json, run.log
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import refuse_unknown_keys, register_configs, to_object
+from experiments.config import Config, refuse_unknown_keys, register_configs, to_object
 
 register_configs()
 log = logging.getLogger("gradscale")
@@ -56,29 +55,6 @@ def share_cores(hydra_cfg) -> None:
     torch.set_num_threads(max(1, cores // (cores if n_jobs < 1 else n_jobs)))
 
 
-# glibc's own settings, when the user gave any: they win over keep_freed_memory
-GLIBC_MALLOC_ENV = ("GLIBC_TUNABLES", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-                    "MALLOC_TOP_PAD_")
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters, from glibc's malloc.h
-
-
-def keep_freed_memory() -> bool:
-    """Keep freed CPU memory in the process instead of handing it back to the OS.
-
-    glibc returns large freed blocks (munmap, heap trimming), so each step page-faults its activations,
-    logits and gradients in again, in the kernel (docs/performance.md has the measurement). No mmap'd
-    chunks and no trimming keep that memory for the next step, as PyTorch's caching allocator does on
-    GPUs. Linux with glibc only,
-    and not when the user set glibc's malloc variables; returns whether it applied."""
-    if not sys.platform.startswith("linux") or any(name in os.environ for name in GLIBC_MALLOC_ENV):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
-    except (OSError, AttributeError):  # not glibc
-        return False
-
-
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """The run folder's summary.json ({} when there is none, or it cannot be read)."""
     try:
@@ -107,9 +83,44 @@ def git_commit() -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
+def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | None = None) -> dict[str, Any]:
+    """Check the config, build the job, train it, and return the summary fields.
+
+    overrides: the job's command-line overrides (an explicit world_size must agree with torchrun's).
+    run_dir: where checkpoints go (every cfg.checkpoint_every steps); a checkpoint there is resumed from."""
+    import torch
+
+    from experiments import checkpoint
+    from experiments.config import check_environment, resolve_world_size, validate
+    from experiments.job import build_job
+    from experiments.pretrain import prepare_weights
+    from experiments.train import LoopConfig, train
+
+    validate(cfg, list(overrides))
+    check_environment(cfg)
+    prepare_weights(cfg.model)  # fetched, converted or pretrained first when not cached
+    job = build_job(cfg, resolve_world_size(cfg.world_size, list(overrides)))
+    ranks, pipeline = job.ranks, job.pipeline
+    log.info("%s (%s) lr=%g scale=%g normalization=%s world_size=%d (%s) -> c_eff=%g on %s",
+             cfg.optimizer.name, cfg.finetune.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe,
+             ranks.world_size, f"{cfg.dist.strategy} ranks" if ranks.real else "emulated", pipeline.c_eff,
+             job.device)
+    checkpointer = (checkpoint.Checkpointer(run_dir, cfg.checkpoint_every, ranks)
+                    if run_dir is not None and cfg.checkpoint_every else None)
+    result = train(job, LoopConfig.of(cfg), run_log, checkpointer)
+    if checkpointer is not None:
+        checkpointer.remove()
+    return {**vars(result), "c_eff": pipeline.c_eff, "device": str(job.device),
+            "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
+            "normalization": pipeline.recipe,
+            "peak_cuda_memory_gib": (torch.cuda.max_memory_allocated(job.device) / 2**30
+                                     if job.device.type == "cuda" else None)}
+
+
 def setup_process(hydra_cfg) -> bool:
     """What the process needs before its first job; returns whether it is rank 0, the one that writes
     metrics, summary and W&B (under torchrun; always, when the ranks are emulated)."""
+    from experiments.cache import keep_freed_memory
     from experiments.parallel import adopt_slurm_tasks, env_rank
 
     adopt_slurm_tasks()  # srun's tasks as torchrun ranks
@@ -127,7 +138,6 @@ def setup_process(hydra_cfg) -> bool:
 def run_folder_job(cfg: DictConfig, hydra_cfg, is_main: bool) -> str:
     """One job in its folder: skipped when it finished before, else run (a killed run resumes from its
     checkpoint); summary.json says how it ended, also when it failed. Returns the status."""
-    from experiments.job import run_job
     from experiments.metrics import RunLog, write_json_atomic
 
     run_dir = Path(hydra_cfg.runtime.output_dir)

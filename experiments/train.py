@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -37,9 +38,23 @@ from experiments.records import (
 
 if TYPE_CHECKING:
     from experiments.frequency import TokenBuckets
-    from experiments.job import Job
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """What the training loop trains: built by experiments.job.build_job (or
+    assemble_job), or pieces of it replaced (the benchmark). The loop is handed one and never builds."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Batches
+    pipeline: GradPipeline
+    ranks: Ranks
+    device: torch.device
+    autocast: contextlib.AbstractContextManager
+    buckets: TokenBuckets | None = None  # held-out loss and output-row updates by token frequency, at evals
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,8 @@ Builds are guarded by a file lock, so two jobs of a parallel sweep (or torchrun 
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -26,6 +25,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from experiments.cache import build_lock, cache_root, publish
+
 log = logging.getLogger(__name__)
 
 
@@ -33,21 +34,51 @@ class WeightsError(RuntimeError):
     """The weights cannot be had; the message is one line and says what to do."""
 
 
-def cache_root(cache_dir: str | None) -> Path:
-    return Path(cache_dir or os.environ.get("GRADSCALE_CACHE") or Path.home() / ".cache" / "gradscale")
-
-
 def checkpoint_dir(model_cfg) -> str | None:
-    """The checkpoint directory the run starts from, building it first if needed; None for random init."""
+    """The checkpoint directory the run starts from (a GGUF file converted first when not cached); None for
+    random init. The suite's pretrained base must be built already: where a run starts, before its job is
+    built, experiments.pretrain.prepare_weights builds it. Nothing here trains."""
     if model_cfg.path:
         return model_cfg.path
     if model_cfg.gguf_file:
         return str(converted_gguf(model_cfg))
     if model_cfg.init == "pretrained":
-        from experiments.pretrain import pretrained_base
-
-        return str(pretrained_base(model_cfg))
+        base = base_dir(model_cfg)
+        if not (base / "config.json").is_file():
+            raise WeightsError(f"error: the pretrained base for model={model_cfg.name} is not built ({base}); a run "
+                               "builds it first, or: python -m experiments.pretrain model=...")
+        return str(base)
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The suite's own pretrained base (experiments/pretrain.py builds it): its address
+
+
+BASE_RECIPE_VERSION = "1"  # bump when the corpus extraction or experiments/pretrain.py's recipe changes
+
+
+def base_digest(model_cfg, files: tuple[Path, ...]) -> str:
+    """A digest of everything the base depends on: the architecture, model.pretrain, the corpus files' bytes,
+    and the package versions."""
+    from importlib import metadata
+
+    from experiments.data import content_digest
+    from experiments.model import llama_config
+
+    parts = [BASE_RECIPE_VERSION, llama_config(model_cfg).to_json_string(use_diff=False),
+             json.dumps(vars(model_cfg.pretrain), sort_keys=True)]
+    parts += [f"{p}={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")]
+    files_digest = content_digest(p.read_bytes().decode("utf-8", "replace") for p in files)
+    return content_digest([*parts, files_digest])
+
+
+def base_dir(model_cfg) -> Path:
+    """Where the base for this architecture and recipe is (built or not)."""
+    from experiments.data import stdlib_files
+
+    digest = base_digest(model_cfg, stdlib_files())
+    return cache_root(model_cfg.cache_dir) / "models" / f"base-{model_cfg.name}-{digest[:16]}"
 
 
 def ensure_source(model_cfg) -> None:
@@ -55,25 +86,6 @@ def ensure_source(model_cfg) -> None:
     be had): checked before a run or sweep starts. Conversion and pretraining wait for the job."""
     if model_cfg.gguf_file and model_cfg.gguf_package and not model_cfg.path:
         gguf_source(model_cfg)
-
-
-@contextlib.contextmanager
-def build_lock(target: Path):
-    """Exclusive lock beside `target` while it is built: a second process waits, then finds it built."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def publish(tmp: Path, target: Path) -> None:
-    """Rename a finished build into place: a killed build never leaves a half-written directory behind."""
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ over repeats is reported with a 95% bootstrap interval: the machine's noise, mad
 default 50 timed steps the suite logs, keeps statistics and checkpoints in the proportions of a real
 run. Also the model FLOP/s of the suite (6 * parameters * tokens plus attention) against this
 machine's fp32 matrix-multiply rate measured in the same run. Every loop runs with the suite's
-process setting (experiments.run.keep_freed_memory; set GLIBC_TUNABLES to run them all without it);
+process setting (experiments.cache.keep_freed_memory; set GLIBC_TUNABLES to run them all without it);
 --allocator N times the default run with glibc's malloc settings against the suite's, and --sweep N the
 default 4-run sweep with the basic launcher against hydra/launcher=local_parallel: wall times, start-up
 included, with the runs' page faults and kernel time, median of N, interleaved.
@@ -71,18 +71,20 @@ ROOT = Path(__file__).resolve().parent.parent
 CODE = Path(os.environ.get("GRADSCALE_BENCH_CODE", ROOT))
 sys.path.insert(0, str(CODE))
 
-from experiments import run  # noqa: E402  (after the path: the script runs from anywhere)
+from experiments import cache  # noqa: E402  (after the path: the script runs from anywhere)
 
 
 def build(overrides: list[str]):
     """The run's config and its job, built as a run builds them (experiments.job.build_job)."""
     from experiments.config import check_environment, compose, to_object, validate
     from experiments.job import build_job
+    from experiments.pretrain import prepare_weights
 
     cfg = compose([*overrides, "wandb.mode=disabled"])
     validate(cfg, overrides=[])
     check_environment(cfg)
     run_cfg = to_object(cfg)
+    prepare_weights(run_cfg.model)
     return run_cfg, build_job(run_cfg)
 
 
@@ -253,7 +255,7 @@ def wall_times(variants: dict[str, tuple[list[str], dict]], repeats: int) -> dic
     own threads and malloc settings (none inherited from this process)."""
     measured: dict[str, dict[str, list[float]]] = {name: {"wall s": [], "minor faults": [], "kernel s": []}
                                                    for name in variants}
-    skip = {"OMP_NUM_THREADS", *run.GLIBC_MALLOC_ENV}
+    skip = {"OMP_NUM_THREADS", *cache.GLIBC_MALLOC_ENV}
     base_env = {k: v for k, v in os.environ.items() if k not in skip} | {"WANDB_MODE": "disabled"}
     for repeat in range(repeats):
         for name, (args, env) in variants.items():
@@ -298,7 +300,7 @@ MATMUL_N = 2048
 
 def step_probe(loop: str, overrides: list[str], steps: int) -> tuple[float, float]:
     """In this process: (seconds per step over `steps` timed steps after REAL_WARMUP, model FLOP/s) of `loop`."""
-    run.keep_freed_memory()
+    cache.keep_freed_memory()
     cfg, job = build(overrides)
     timed = []
 
@@ -402,7 +404,7 @@ def with_overrides(defaults: list[str], overrides: list[str]) -> list[str]:
 
 def memory_probe(loop: str, overrides: list[str]) -> tuple[int, int]:
     """In this process: (peak bytes, parameters) of MEMORY_STEPS steps of `loop`."""
-    run.keep_freed_memory()
+    cache.keep_freed_memory()
     cfg, job = build(overrides)  # resets the CUDA peak first
     MEMORY_LOOPS[loop](job, cfg, MEMORY_STEPS)
     if job.device.type == "cuda":
@@ -511,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from experiments.optimizers import build_optimizer
 
-    run.keep_freed_memory()  # as every suite job does, so every loop here runs with it
+    cache.keep_freed_memory()  # as every suite job does, so every loop here runs with it
 
     cfg, job = build(args.overrides)
     device, base = job.device, job.model

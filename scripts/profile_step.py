@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from experiments.run import keep_freed_memory
+    from experiments.cache import keep_freed_memory
     from experiments.train import accumulate_gradients
 
     keep_freed_memory()

@@ -42,10 +42,10 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def run_in_process(run_dir: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
-    """Build, check and train as `experiments.run` does (experiments.job.run_job); returns (result, metrics)."""
+    """Build, check and train as `experiments.run` does (experiments.run.run_job); returns (result, metrics)."""
     from experiments.config import to_object
-    from experiments.job import run_job
     from experiments.metrics import RunLog
+    from experiments.run import run_job
 
     run_cfg = to_object(compose([*TINY, *overrides]))
     run_dir.mkdir(parents=True, exist_ok=True)

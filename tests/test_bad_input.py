@@ -65,7 +65,7 @@ def test_unwritable_output_folder_is_refused(cli, tmp_path, mode):
 def test_a_python_caller_of_run_job_gets_the_same_checks(tmp_path):
     """The checks live where a job starts, not only in the command line's callback and sweeper."""
     from experiments.config import ConfigError, to_object
-    from experiments.job import run_job
+    from experiments.run import run_job
     from tests.conftest import TINY, compose
 
     with pytest.raises(ConfigError, match=r"^error: optimizer.lr=-1.0 is not allowed: must be a finite number > 0$"):

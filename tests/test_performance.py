@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from experiments.run import GLIBC_MALLOC_ENV
+from experiments.cache import GLIBC_MALLOC_ENV
 from tests.conftest import OFFLINE_ENV, ROOT, load_script
 
 
@@ -120,7 +120,7 @@ def test_parallel_jobs_share_the_cores(monkeypatch):
 
 FAULTS_PER_ALLOCATION = """
 import resource, torch
-from experiments.run import keep_freed_memory
+from experiments.cache import keep_freed_memory
 applied = keep_freed_memory()
 for _ in range(3):
     torch.ones(16 << 20).sum()  # 64 MB: above the largest size glibc ever serves from its heap by default
