@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.config import override_key
+from experiments.checks import override_key
 from experiments.optimizers import advisable
 
 DEFAULT_STEPS = 20

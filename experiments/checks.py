@@ -34,3 +34,8 @@ def check_betas(betas, key: str = "optimizer.betas") -> None:
 
 def one_of(key: str, value: Any, allowed) -> None:
     check(value in allowed, key, value, f"one of {', '.join(allowed)}")
+
+
+def override_key(override: str) -> str:
+    """The key an override sets: `+optimizer.eps=1e-6` -> optimizer.eps, `~clip_grad_norm` -> clip_grad_norm."""
+    return override.split("=", 1)[0].lstrip("+~")

@@ -1,28 +1,28 @@
-"""Structured configs for one run, registered in Hydra's ConfigStore, with range checks.
+"""Structured configs for one run (the sections' dataclasses; the optimizers' own are in experiments/optimizers/),
+with range checks.
 
 Each component gets only its own section (`optimizer`, `model`, `data`, `wandb`); the top level holds
 what the gradient pipeline and the loop need. `validate` runs before any work starts: in a single
-run from a Hydra callback, in a sweep from the sweeper, for every job before the first one starts.
+run from a Hydra callback, in a sweep from the sweeper, for every job before the first one starts. Hydra's
+side (the ConfigStore, compose, to_object) is experiments/hydra_glue.py; the file and machine probes are
+experiments/probes.py.
 
 This module imports nothing heavy (no torch), so bad input is refused in about a second.
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from experiments.checks import ConfigError, check, finite_positive, int_at_least
+from experiments.checks import check, finite_positive, int_at_least, override_key
 from experiments.optimizers import OPTIMIZERS
 from experiments.optimizers import entry as optimizer_entry
-from experiments.recipes import RECIPES, normalization_in_effect, recipe, with_fix
+from experiments.probes import check_files
+from experiments.recipes import RECIPES, recipe, with_fix
 
 # ---------------------------------------------------------------------------------------------
 # Sections
@@ -203,38 +203,6 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# What a config means: resolved here, once
-
-
-def times(value: int, factor: float) -> int:
-    product = value * factor
-    if product != int(product) or product < 1:
-        raise ConfigError(f"error: {value} x {factor} = {product:g} is not a whole dimension >= 1")
-    return int(product)
-
-
-def register_configs() -> None:
-    # run.log on rank 0 (and when emulated), run.rank1.log ... on the other torchrun ranks
-    OmegaConf.register_new_resolver(
-        "rank_suffix", lambda: "" if os.environ.get("RANK", "0") == "0" else f".rank{os.environ['RANK']}", replace=True
-    )
-    # ${times:${model.hidden_size},2.75}: a dimension that scales with another (presets over model width)
-    OmegaConf.register_new_resolver("times", times, replace=True)
-    from experiments.console import register_resolvers
-
-    register_resolvers()  # --help's generated parts, the job tag on a sweep's console lines
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    # schemas live apart from the user's choices, so `optimizer=...` lists only real options
-    for optimizer in OPTIMIZERS.values():
-        cs.store(group="schema/optimizer", name=optimizer.name, node=optimizer.config)
-    cs.store(group="schema/finetune", name="finetune", node=FinetuneConfig)
-    cs.store(group="schema/model", name="llama", node=ModelConfig)
-    cs.store(group="schema/data", name="data", node=DataConfig)
-    cs.store(group="schema/normalization", name="normalization", node=NormalizationConfig)
-
-
-# ---------------------------------------------------------------------------------------------
 # Range checks
 
 FINETUNES = ("full", "lora")
@@ -247,43 +215,7 @@ PRECISIONS = ("fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 STRATEGIES = ("ddp", "fsdp2")
-CHECKPOINT_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                      "pytorch_model.bin.index.json")
-CHECKPOINT_TOKENIZER = ("tokenizer.json", "tokenizer.model")
 
-
-def jsonl_problem(path: str, prompt_field: str, response_field: str) -> str | None:
-    """The first thing wrong with a JSONL file of {prompt, response} records, or None. One pass over the
-    file in plain Python, so a bad line is named before any work starts."""
-    records = 0
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError as e:
-                return f"line {number} is not UTF-8 ({e.reason} at byte {e.start})"
-            if not line:
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                return f"line {number} is not JSON ({e})"
-            if not isinstance(record, dict):
-                return f"line {number} is not a JSON object"
-            for key in (prompt_field, response_field):
-                if not isinstance(record.get(key), str):
-                    return f"line {number} has no text field {key!r}"
-            records += 1
-    return None if records else "it holds no records"
-
-
-def model_max_positions(model: Any) -> int:
-    """The model's position limit: from the checkpoint's config.json when model.path is set (a GGUF's is
-    known only once converted: the config's value stands for it)."""
-    if model.path:
-        with open(os.path.join(model.path, "config.json")) as f:
-            return int(json.load(f).get("max_position_embeddings", 0))
-    return int(model.max_position_embeddings)
 
 
 def torchrun_world_size() -> int | None:
@@ -355,181 +287,3 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     check_files(cfg)
 
 
-def check_files(cfg: DictConfig | Config) -> None:
-    """What the files the config names must hold: model.path a checkpoint, model.gguf_file a file, data.path
-    JSONL records; and seq_len within the checkpoint's positions. Each file is read once per process
-    (file_problem), so a sweep of many jobs on one data file reads it once."""
-    model, data = cfg.model, cfg.data
-    if model.gguf_file and not model.gguf_package:
-        check(os.path.isfile(model.gguf_file), "model.gguf_file", model.gguf_file,
-               "must be an existing GGUF file (or name the file inside model.gguf_package)")
-    if model.path:
-        check(os.path.isdir(model.path), "model.path", model.path, "must be an existing directory")
-        for files, what in ((("config.json",), "no config.json"), (CHECKPOINT_WEIGHTS, "no weights"),
-                            (CHECKPOINT_TOKENIZER, "no tokenizer")):
-            check(
-                any(os.path.isfile(os.path.join(model.path, f)) for f in files),
-                "model.path",
-                model.path,
-                f"must be a Hugging Face checkpoint directory; it has {what} ({', '.join(files)})",
-            )
-    max_positions = model_max_positions(model)
-    check(
-        cfg.seq_len <= max_positions,
-        "seq_len",
-        cfg.seq_len,
-        f"must be <= the model's max_position_embeddings ({max_positions})",
-    )
-    if data.name == "jsonl":
-        check(os.path.isfile(data.path), "data.path", data.path, "must be an existing JSONL file")
-        problem = file_problem(jsonl_problem, data.path, data.prompt_field, data.response_field)
-        check(problem is None, "data.path", data.path, f"must be a JSONL file of records: {problem}")
-
-
-_FILE_PROBLEMS: dict[tuple, str | None] = {}
-
-
-def file_problem(probe, path: str, *args) -> str | None:
-    """probe(path, *args), remembered while the file stays as it was (size and modification time)."""
-    stat = os.stat(path)
-    key = (probe.__name__, os.path.abspath(path), stat.st_size, stat.st_mtime_ns, *args)
-    if key not in _FILE_PROBLEMS:
-        _FILE_PROBLEMS[key] = probe(path, *args)
-    return _FILE_PROBLEMS[key]
-
-
-def installed_torch_cuda() -> bool | None:
-    """Whether the installed torch is a CUDA build, read from torch/version.py without importing torch
-    (the import alone takes seconds); None when the file does not say."""
-    import importlib.util
-    import re
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.origin:
-        return None
-    try:
-        text = open(os.path.join(os.path.dirname(spec.origin), "version.py")).read()
-    except OSError:
-        return None
-    found = re.search(r"^cuda\s*(?::[^=\n]*)?=\s*(None|'[^']*'|\"[^\"]*\")", text, re.MULTILINE)
-    return None if found is None else found.group(1) != "None"
-
-
-def cuda_problem() -> str | None:
-    """Why CUDA cannot be used here, or None. A CPU build of torch is told without importing it."""
-    if "torch" not in sys.modules and installed_torch_cuda() is False:
-        return "this torch is a CPU-only build (install a CUDA build of torch, or use device=cpu or auto)"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "torch sees no CUDA device here (use device=cpu or auto)"
-    return None
-
-
-def compiler_problem(on_cuda: bool) -> str | None:
-    """Why torch.compile cannot build kernels here, or None: Inductor compiles C++ on CPU, and Triton
-    kernels (with a C compiler for their launchers) on CUDA."""
-    import importlib.util
-    import shutil
-
-    if on_cuda:
-        if importlib.util.find_spec("triton") is None:
-            return "torch.compile on CUDA needs triton, which is not installed (pip install triton, or compile=false)"
-        compilers = (os.environ.get("CC"), "cc", "gcc", "clang")
-    else:
-        compilers = (os.environ.get("CXX"), "c++", "g++", "clang++")
-    if not any(c and shutil.which(c) for c in compilers):
-        kind = "C" if on_cuda else "C++"
-        return f"torch.compile needs a {kind} compiler and none is on PATH (install one, or compile=false)"
-    return None
-
-
-def check_environment(cfg: DictConfig | Config) -> None:
-    """Refuse values this machine cannot run, before any work starts; one line naming the value and why.
-    Apart from `validate`, which judges values alone: these look at the machine (and the weights' source)."""
-    on_cuda = cfg.device == "cuda"
-    if on_cuda:
-        problem = cuda_problem()
-        check(problem is None, "device", cfg.device, str(problem))
-    elif cfg.device == "auto" and (cfg.precision == "bf16" or cfg.compile):  # auto means CUDA when it is here
-        on_cuda = cuda_problem() is None
-    if cfg.precision == "bf16" and on_cuda:
-        import torch
-
-        check(torch.cuda.is_bf16_supported(), "precision", cfg.precision,
-               f"{torch.cuda.get_device_name()} has no bf16 (use precision=fp32)")
-    if cfg.compile:
-        problem = compiler_problem(on_cuda)
-        check(problem is None, "compile", cfg.compile, str(problem))
-    from experiments.weights import WeightsError, ensure_source
-
-    try:
-        ensure_source(cfg.model)
-    except WeightsError as e:
-        raise ConfigError(str(e)) from None
-
-
-def unknown_key_problem(cfg: DictConfig, key: str) -> str | None:
-    """Why a dotted `key` names no key of the composed config (with the closest one), or None."""
-    node: Any = cfg
-    for depth, part in enumerate(key.split(".")):
-        if not isinstance(node, DictConfig) or part not in node:
-            where = key.rsplit(".", 1)[0] if depth else ""
-            keys = [str(k) for k in node] if isinstance(node, DictConfig) else []
-            close = difflib.get_close_matches(part, keys, n=1, cutoff=0.6)
-            hint = f"; did you mean {where + '.' if where else ''}{close[0]}?" if close else ""
-            return f"error: {key} is not a config key{hint} (docs/configuration.md lists every key)"
-        node = node[part]
-    return None
-
-
-def refuse_unknown_keys() -> None:
-    """Hydra lets `+key=value` add any key, so a typo such as `+stpes=10` would run with it ignored, and
-    answers one without `+` in five lines. Every override of a config key must name a key of the composed
-    config: otherwise one line, exit 2, before any folder exists. (Hooks Hydra's override step: Hydra 1.3
-    has no callback between composing and applying overrides.)"""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-    apply = ConfigLoaderImpl._apply_overrides_to_config
-    if getattr(apply, "refuses_unknown_keys", False):
-        return
-
-    def checked(overrides, cfg: DictConfig) -> None:
-        for override in overrides:
-            if override.is_hydra_override() or override.is_delete() or override.package is not None:
-                continue
-            problem = unknown_key_problem(cfg, override.key_or_group)
-            if problem:
-                print(problem, file=sys.stderr, flush=True)
-                sys.exit(2)
-        apply(overrides, cfg)
-
-    checked.refuses_unknown_keys = True
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(checked)
-
-
-def to_object(cfg: DictConfig) -> Config:
-    """The validated job config (as the task function gets it: no hydra node) as dataclass instances, with
-    `fix` resolved into the normalization in effect: the one place it is (normalization_in_effect)."""
-    run_cfg: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    run_cfg.normalization.name = normalization_in_effect(run_cfg.fix, run_cfg.normalization.name)
-    return run_cfg
-
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def compose(overrides: list[str], with_hydra: bool = False) -> DictConfig:
-    """The composed DictConfig for these overrides, as the command line builds it (the hydra node, launcher
-    and sweeper included only when asked): for Python callers (tests, the benchmark, the parity oracle)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=list(overrides), return_hydra_config=with_hydra)
-
-
-def override_key(override: str) -> str:
-    """The key an override sets: `+optimizer.eps=1e-6` -> optimizer.eps, `~clip_grad_norm` -> clip_grad_norm."""
-    return override.split("=", 1)[0].lstrip("+~")

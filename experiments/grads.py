@@ -32,7 +32,7 @@ from experiments.recipes import Recipe, recipe
 
 @dataclass(frozen=True)
 class GradPipeline:
-    """recipe: the normalization in effect (`fix` is resolved into it with the config: config.to_object)."""
+    """recipe: the normalization in effect (`fix` is resolved into it with the config: hydra_glue.to_object)."""
 
     world_size: int
     scale: float

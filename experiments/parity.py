@@ -99,7 +99,7 @@ def expectation(case: str, recipe: str, world_size: int) -> tuple[str, Callable[
 
 def _config(world_size: int, grad_accum: int):
     """The tiny model from a seeded random init (the same weights on every rank and for the reference)."""
-    from experiments.config import compose, to_object
+    from experiments.hydra_glue import compose, to_object
 
     return to_object(compose(["model.init=random", f"world_size={world_size}", f"grad_accum={grad_accum}"]))
 

@@ -145,7 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """Build (or find) the base for the config these overrides compose, and print its directory."""
-    from experiments.config import ConfigError, compose, to_object, validate
+    from experiments.checks import ConfigError
+    from experiments.config import validate
+    from experiments.hydra_glue import compose, to_object
 
     argv = build_parser().parse_args(argv).overrides
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s", stream=sys.stderr)

@@ -24,7 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import Config, refuse_unknown_keys, register_configs, to_object
+from experiments.config import Config
+from experiments.hydra_glue import refuse_unknown_keys, register_configs, to_object
 
 register_configs()
 log = logging.getLogger("gradscale")
@@ -91,9 +92,10 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
     import torch
 
     from experiments import checkpoint
-    from experiments.config import check_environment, resolve_world_size, validate
+    from experiments.config import resolve_world_size, validate
     from experiments.job import build_job
     from experiments.pretrain import prepare_weights
+    from experiments.probes import check_environment
     from experiments.train import LoopConfig, train
 
     validate(cfg, list(overrides))

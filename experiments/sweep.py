@@ -17,7 +17,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.config import ConfigError, check_environment, override_key, validate
+from experiments.checks import ConfigError, override_key
+from experiments.config import validate
+from experiments.probes import check_environment
 
 
 class ValidateBeforeRun(Callback):

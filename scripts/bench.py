@@ -76,9 +76,11 @@ from experiments import cache  # noqa: E402  (after the path: the script runs fr
 
 def build(overrides: list[str]):
     """The run's config and its job, built as a run builds them (experiments.job.build_job)."""
-    from experiments.config import check_environment, compose, to_object, validate
+    from experiments.config import validate
+    from experiments.hydra_glue import compose, to_object
     from experiments.job import build_job
     from experiments.pretrain import prepare_weights
+    from experiments.probes import check_environment
 
     cfg = compose([*overrides, "wandb.mode=disabled"])
     validate(cfg, overrides=[])
@@ -363,7 +365,7 @@ def real_model(overrides: list[str], repeats: int, steps: int, against: str | No
 
 
 def to_object_of(overrides: list[str]):
-    from experiments.config import compose, to_object
+    from experiments.hydra_glue import compose, to_object
 
     return to_object(compose(overrides))
 
@@ -396,7 +398,7 @@ def worktree(ref: str):
 
 def with_overrides(defaults: list[str], overrides: list[str]) -> list[str]:
     """defaults, each replaced by an override of the same key (Hydra refuses a key given twice)."""
-    from experiments.config import override_key
+    from experiments.checks import override_key
 
     keys = {override_key(o) for o in overrides}
     return [d for d in defaults if override_key(d) not in keys] + overrides

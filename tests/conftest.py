@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.config import CONF_DIR, compose  # noqa: F401  (tests import compose from here)
+from experiments.hydra_glue import (
+    CONF_DIR,
+    compose,  # noqa: F401  (tests import compose from here
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = Path(CONF_DIR)
@@ -43,7 +46,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 def run_in_process(run_dir: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
     """Build, check and train as `experiments.run` does (experiments.run.run_job); returns (result, metrics)."""
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
     from experiments.metrics import RunLog
     from experiments.run import run_job
 

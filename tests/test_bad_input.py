@@ -64,7 +64,8 @@ def test_unwritable_output_folder_is_refused(cli, tmp_path, mode):
 
 def test_a_python_caller_of_run_job_gets_the_same_checks(tmp_path):
     """The checks live where a job starts, not only in the command line's callback and sweeper."""
-    from experiments.config import ConfigError, to_object
+    from experiments.checks import ConfigError
+    from experiments.hydra_glue import to_object
     from experiments.run import run_job
     from tests.conftest import TINY, compose
 
@@ -80,24 +81,25 @@ def test_each_data_file_is_read_once_while_it_stays_the_same(tmp_path, monkeypat
     changes."""
     import functools
 
-    from experiments import config
+    from experiments import config, probes
+    from experiments.checks import ConfigError
     from tests.conftest import TINY, compose
 
     path = tmp_path / "train.jsonl"
     path.write_text(GOOD * 3)
     reads = []
-    probe = config.jsonl_problem
+    probe = probes.jsonl_problem
 
     @functools.wraps(probe)
     def counted(*args):
         reads.append(args[0])
         return probe(*args)
 
-    monkeypatch.setattr(config, "jsonl_problem", counted)
+    monkeypatch.setattr(probes, "jsonl_problem", counted)
     for scale in (1, 2, 8):
         config.validate(compose([*TINY, "data=jsonl", f"data.path={path}", f"scale={scale}"]), overrides=[])
     assert reads == [str(path)]
     path.write_text(GOOD * 3 + "not json\n")
-    with pytest.raises(config.ConfigError, match="line 4 is not JSON"):
+    with pytest.raises(ConfigError, match="line 4 is not JSON"):
         config.validate(compose([*TINY, "data=jsonl", f"data.path={path}"]), overrides=[])
     assert len(reads) == 2

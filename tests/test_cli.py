@@ -309,7 +309,7 @@ def test_a_kept_folder_name_reads_back_exactly(name):
     ],
 )
 def test_a_model_preset_brings_its_recipe_unless_the_user_or_a_preset_sets_it(overrides, expected):
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
 
     cfg = to_object(compose(overrides))
     assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.batch_size, cfg.seq_len) == expected
@@ -319,7 +319,8 @@ def test_a_model_preset_brings_its_recipe_unless_the_user_or_a_preset_sets_it(ov
                                                   ({"lr": {"sgd": -1.0}}, "model.recommended.lr.sgd"),
                                                   ({"warmup": 10}, "model.recommended")])
 def test_a_model_presets_recommended_recipe_is_checked(recommended, key):
-    from experiments.config import ConfigError, ModelConfig
+    from experiments.checks import ConfigError
+    from experiments.config import ModelConfig
 
     with pytest.raises(ConfigError, match=re.escape(key)):
         ModelConfig(name="preset", init="random", recommended=recommended).check()

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from experiments import model, optim
-from experiments.config import ConfigError, to_object, validate
+from experiments.checks import ConfigError
+from experiments.config import validate
+from experiments.hydra_glue import to_object
 from experiments.job import build_batches, build_job
 from experiments.train import LoopConfig, train
 from tests.conftest import compose

@@ -14,7 +14,7 @@ from tests.conftest import compose
 @pytest.fixture(scope="module", params=["full", "lora"])
 def model_and_batch(cache_dir, request):
     from experiments import model
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
     from experiments.job import build_batches
 
     cfg = to_object(compose(["batch_size=16", "seq_len=64", f"finetune={request.param}"]))
@@ -123,7 +123,7 @@ def test_unlogged_steps_skip_the_norm_unless_clipping_needs_it(model_and_batch):
 def test_fix_is_resolved_into_the_normalization_once():
     """fix=false is the short switch for the pre-fix recipe: resolved when the config becomes dataclasses,
     so the pipeline, summary.json and the analysis see one recipe and one c_eff."""
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
     from experiments.job import build_pipeline
     from experiments.recipes import c_eff
 

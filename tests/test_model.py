@@ -11,7 +11,7 @@ from tests.conftest import compose, run_in_process, train_records
 
 
 def build(overrides, device="cpu"):
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
     from experiments.model import build_model
 
     cfg = to_object(compose(overrides))
@@ -36,7 +36,7 @@ def test_tiny_default_has_the_llama_3_2_architecture():
 def test_real_configs_carry_the_published_dimensions(name, billions):
     from transformers import LlamaForCausalLM
 
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
     from experiments.model import llama_config
 
     cfg = to_object(compose([f"model={name}"]))
@@ -113,7 +113,8 @@ def test_training_from_model_path(checkpoint, tmp_path):
                                                 ("tokenizer.json", "no tokenizer"),
                                                 ("config.json", "no config.json")])
 def test_incomplete_checkpoint_is_refused_before_any_work(checkpoint, remove, message):
-    from experiments.config import ConfigError, validate
+    from experiments.checks import ConfigError
+    from experiments.config import validate
 
     path, _, _ = checkpoint
     (path / remove).unlink()
@@ -122,7 +123,8 @@ def test_incomplete_checkpoint_is_refused_before_any_work(checkpoint, remove, me
 
 
 def test_seq_len_limit_comes_from_the_checkpoint(checkpoint):
-    from experiments.config import ConfigError, validate
+    from experiments.checks import ConfigError
+    from experiments.config import validate
 
     path, saved, _ = checkpoint
     config = json.loads((path / "config.json").read_text())
@@ -134,7 +136,7 @@ def test_seq_len_limit_comes_from_the_checkpoint(checkpoint):
 
 def test_bf16_on_the_cpu_runs_attention_in_fp32_and_fp32_runs_keep_sdpa():
     """The attention kernel under bf16 autocast on the CPU is fp32 SDPA (faster there); fp32 runs are as before."""
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
     from experiments.job import build_model
     from experiments.model import FP32_ATTENTION
     from experiments.parallel import Ranks

@@ -160,7 +160,8 @@ def test_a_dead_rank_ends_the_job_quickly_and_nothing_claims_completion(tmp_path
 
 
 def test_explicit_world_size_that_disagrees_with_torchrun_is_refused(monkeypatch):
-    from experiments.config import ConfigError, validate
+    from experiments.checks import ConfigError
+    from experiments.config import validate
     from tests.conftest import compose
 
     monkeypatch.setenv("RANK", "0")
@@ -216,7 +217,8 @@ def bare_env():
 
 
 def test_slurm_tasks_become_torchrun_ranks(bare_env):
-    from experiments.config import ConfigError, validate
+    from experiments.checks import ConfigError
+    from experiments.config import validate
     from experiments.parallel import adopt_slurm_tasks, env_rank, under_torchrun
     from tests.conftest import compose
 

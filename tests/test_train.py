@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from experiments import job, model, train
-from experiments.config import to_object
 from experiments.grads import total_norm
+from experiments.hydra_glue import to_object
 from experiments.optimizers import build_optimizer
 from experiments.parallel import Ranks
 from tests.conftest import compose, run_in_process, train_records

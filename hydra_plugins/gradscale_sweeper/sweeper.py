@@ -23,7 +23,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
 
-from experiments.config import ConfigError, check_environment, override_key, validate
+from experiments.checks import ConfigError, override_key
+from experiments.config import validate
+from experiments.probes import check_environment
 from experiments.sweep import (
     check_same_sweep,
     check_writable,
