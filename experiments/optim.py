@@ -48,19 +48,19 @@ class AdamAtan2(_ForeachOptimizer):
     def step(self, closure=None):
         for group, params, grads in self._groups_with_grads():
             beta1, beta2 = group["betas"]
-            m, v, step = self._state(params)
+            m, v, steps = self._state(params)
             torch._foreach_lerp_(m, grads, 1 - beta1)
             torch._foreach_mul_(v, beta2)
             torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
-            bias1, bias2 = 1 - beta1**step, 1 - beta2**step
-            m_hat = torch._foreach_div(m, bias1)
-            denom = torch._foreach_sqrt(torch._foreach_div(v, bias2))
+            # each parameter's own count (as torch's AdamW): one whose gradients start later is corrected by its own
+            m_hat = torch._foreach_div(m, [1 - beta1**step for step in steps])
+            denom = torch._foreach_sqrt(torch._foreach_div(v, [1 - beta2**step for step in steps]))
             torch._foreach_mul_(denom, group["b"])
             update = [torch.atan2(x, y) for x, y in zip(m_hat, denom)]  # no foreach atan2 in torch
             self._decay_and_update(params, update, group, alpha=-group["lr"] * group["a"])
 
     def _state(self, params):
-        """(exp_avg list, exp_avg_sq list, step after this update), stepping every parameter's count."""
+        """(exp_avg list, exp_avg_sq list, each one's step count after this update), stepping every count."""
         m, v = [], []
         for p in params:
             state = self.state[p]
@@ -69,7 +69,7 @@ class AdamAtan2(_ForeachOptimizer):
             state["step"] += 1
             m.append(state["exp_avg"])
             v.append(state["exp_avg_sq"])
-        return m, v, self.state[params[0]]["step"]
+        return m, v, [self.state[p]["step"] for p in params]
 
 
 class Lion(_ForeachOptimizer):

@@ -107,12 +107,9 @@ def test_lion_skips_parameters_without_a_gradient_as_the_library_does():
                 ["exp_avg"])
 
 
-@pytest.mark.xfail(strict=True, reason="AdamAtan2 bias-corrects a whole group with its first parameter's step "
-                                       "count; adam-atan2-pytorch (and torch.optim.AdamW) count per parameter")
 def test_adam_atan2_counts_steps_per_parameter_as_the_library_does():
-    """A parameter whose first gradient comes later than its group's first parameter's: the library bias-corrects
-    it with its own count. Every parameter of the suite's models has a gradient at every step, so the runs are
-    unaffected; this records the difference (docs/optimizers.md)."""
+    """A parameter whose first gradient comes later than its group's first parameter's is bias-corrected with
+    its own count, as the library (and torch's AdamW) does."""
     settings = ATAN2_SETTINGS[1]
     assert_same(trajectory(AdamAtan2, settings, skip=late_second),
                 trajectory(adam_atan2_pytorch.AdamAtan2, settings, skip=late_second), ["exp_avg", "exp_avg_sq"])
