@@ -2,9 +2,11 @@
 (experiments.optimizers.base.OptimizerEntry: its config, its builder, its scale rule, whether its state
 holds Adam's moments, one line for --help).
 
-Adding an optimizer is one module here and one conf/optimizer/NAME.yaml: validation, the Hydra store, --help,
-the trainer's Adam statistics, the advisor and the analysis' equivalences read the entry. No torch here:
-validation reads this registry and answers in about a second; a builder imports torch when a run starts.
+Adding an optimizer is one module here (with, where it needs one, its torch-side implementation in a module
+whose name starts with an underscore, imported by its builder) and one conf/optimizer/NAME.yaml: validation,
+the Hydra store, --help, the trainer's Adam statistics, the advisor and the analysis' equivalences read the
+entry. No torch here: validation reads this registry and answers in about a second; a builder imports torch
+when a run starts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ __all__ = ["OPTIMIZERS", "OptimizerConfig", "OptimizerEntry", "ScaleRule", "entr
 def _discover() -> dict[str, OptimizerEntry]:
     entries: dict[str, OptimizerEntry] = {}
     for info in pkgutil.iter_modules(__path__):
-        if info.name == "base":
+        if info.name == "base" or info.name.startswith("_"):  # base: what an entry is; _name: torch-side code
             continue
         module_entry = importlib.import_module(f"{__name__}.{info.name}").ENTRY
         if module_entry.name != info.name:

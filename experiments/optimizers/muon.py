@@ -51,7 +51,7 @@ def is_hidden_matrix(name: str, param) -> bool:
 
 
 def build(cfg: MuonConfig, named_params):
-    from experiments.optim import MuonHybrid
+    from experiments.optimizers._muon_hybrid import MuonHybrid
 
     matrices = [p for n, p in named_params if is_hidden_matrix(n, p)]
     others = [p for n, p in named_params if not is_hidden_matrix(n, p)]
