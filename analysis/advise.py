@@ -128,7 +128,7 @@ def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFram
     rows = []
     for i, r in zip(runs.index, runs.itertuples()):
         ref = references[i]
-        if ref is None or r.optimizer not in advisable() or np.isclose(r.c_eff, 1.0):
+        if ref is None or r.optimizer not in advisable(whole_model=True) or np.isclose(r.c_eff, 1.0):
             continue
         if ref not in histograms:
             try:
@@ -171,7 +171,7 @@ def predicted_onsets(runs: pd.DataFrame) -> dict[str, float]:
     """setup -> c where the advisor, from its c = 1 reference's first recorded histogram, predicts a 1% update
     cut: the mark on the breakdown figure."""
     onsets = {}
-    for r in runs[runs.optimizer.isin(advisable()) & np.isclose(runs.c_eff, 1.0)].itertuples():
+    for r in runs[runs.optimizer.isin(advisable(whole_model=True)) & np.isclose(runs.c_eff, 1.0)].itertuples():
         try:
             eps, steps = load_histograms(Path(r.path))
         except AdviseError:

@@ -42,7 +42,10 @@ def test_each_entry_composes_validates_and_trains(name, cache_dir):
     assert type(cfg.optimizer) is entry.config
     job = build_job(cfg)
     assert train(job, LoopConfig.of(cfg)).status == "completed"
-    assert bool(list(adam_moments(job.optimizer))) == entry.adam_state, name
+    covered = {id(moment[0]) for moment in adam_moments(job.optimizer)}
+    trained = [p for p in job.model.parameters() if p.requires_grad]
+    expected = {"all": len(trained), "part": "some", None: 0}[entry.adam_state]
+    assert (0 < len(covered) < len(trained) if expected == "some" else len(covered) == expected), name
 
 
 def test_an_unknown_name_is_an_error_everywhere():
@@ -65,6 +68,7 @@ def test_an_unknown_name_is_an_error_everywhere():
 
 def test_the_advisor_takes_the_optimizers_whose_update_eps_cuts():
     assert advisable() == ("adamw", "muon")
+    assert advisable(whole_model=True) == ("adamw",)  # the hybrid's Muon part is not in its histograms
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,5 +180,5 @@ def test_adafactor_is_exactly_invariant_at_powers_of_two_until_eps1_binds(batche
 def test_adafactor_has_no_twin_and_no_adam_state():
     """Its eps1 enters twice, scaling as eps1 / c and eps1 / c^2: no c = 1 run equals the run at c."""
     entry = OPTIMIZERS["adafactor"]
-    assert entry.scale_rule.kind == "eps" and entry.scale_rule.twin == () and not entry.adam_state
+    assert entry.scale_rule.kind == "eps" and entry.scale_rule.twin == () and entry.adam_state is None
     assert config(["optimizer=adafactor"]).optimizer.eps1 is None

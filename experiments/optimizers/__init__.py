@@ -41,10 +41,13 @@ def entry(name: str, key: str = "optimizer.name") -> OptimizerEntry:
     return OPTIMIZERS[name]
 
 
-def advisable() -> tuple[str, ...]:
+def advisable(whole_model: bool = False) -> tuple[str, ...]:
     """The optimizers whose update the advisor predicts: Adam's moments compared with an eps (AdamW, and the
-    Adam part of a hybrid). The others have no eps to cut their update (or no Adam state to read)."""
-    return tuple(name for name, e in OPTIMIZERS.items() if e.adam_state and e.scale_rule.eps_key)
+    Adam part of a hybrid). The others have no eps to cut their update (or no Adam state to read).
+    whole_model: only those whose every trained parameter has Adam state, where the prediction is the whole
+    model's update (a hybrid's other part is not in its histograms)."""
+    return tuple(name for name, e in OPTIMIZERS.items()
+                 if e.adam_state and e.scale_rule.eps_key and (e.adam_state == "all" or not whole_model))
 
 
 def build_optimizer(cfg, named_params):

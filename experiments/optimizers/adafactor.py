@@ -43,7 +43,7 @@ def build(cfg: AdafactorConfig, named_params):
 
 
 ENTRY = OptimizerEntry(
-    name="adafactor", label="Adafactor", config=AdafactorConfig, build=build, adam_state=False,
+    name="adafactor", label="Adafactor", config=AdafactorConfig, build=build, adam_state=None,
     scale_rule=ScaleRule("eps", eps_key="eps1"),
     summary="torch.optim.Adafactor: factored second moment, invariant to c until eps1 binds",
 )

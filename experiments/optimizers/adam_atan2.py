@@ -31,9 +31,9 @@ def build(cfg: AdamAtan2Config, named_params):
                      weight_decay=cfg.weight_decay)
 
 
-# adam_state=False: it has Adam's moments but no eps, so no eps-dominated share or band to read from them
+# adam_state=None: it has Adam's moments but no eps, so no eps-dominated share or band to read from them
 ENTRY = OptimizerEntry(
-    name="adam_atan2", label="Adam-atan2", config=AdamAtan2Config, build=build, adam_state=False,
+    name="adam_atan2", label="Adam-atan2", config=AdamAtan2Config, build=build, adam_state=None,
     scale_rule=ScaleRule("invariant"),
     summary="Adam-atan2 (hand-written): no eps, invariant to c until g^2 under- or overflows",
 )

@@ -32,7 +32,7 @@ def build(cfg: AdamWConfig, named_params):
 
 
 ENTRY = OptimizerEntry(
-    name="adamw", label="AdamW", config=AdamWConfig, build=build, adam_state=True,
+    name="adamw", label="AdamW", config=AdamWConfig, build=build, adam_state="all",
     scale_rule=ScaleRule("eps", eps_key="eps", twin=(("eps", -1),)),
     summary="torch.optim.AdamW: invariant to c while eps / c << sqrt(v_hat)",
 )

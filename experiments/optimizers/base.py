@@ -11,6 +11,7 @@ from omegaconf import MISSING
 from experiments.checks import check, finite_positive
 
 SCALE_RULES = ("linear", "eps", "invariant")
+ADAM_STATES = ("all", "part", None)
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ class OptimizerEntry:
 
     config: its section's dataclass (Hydra's schema/optimizer/NAME; conf/optimizer/NAME.yaml fills it in).
     build: (its config section, [(name, trainable parameter)]) -> a torch optimizer; imports torch itself.
-    adam_state: its state holds Adam's moments (exp_avg, exp_avg_sq, under param groups with betas and eps;
-      a hybrid's Adam groups count): the adam/* metrics, the sqrt(v_hat) histograms and the advisor read them.
+    adam_state: where its state holds Adam's moments (exp_avg, exp_avg_sq, under param groups with betas and
+      eps): "all" (every trained parameter), "part" (a hybrid's Adam groups), None. The adam/* metrics, the
+      sqrt(v_hat) histograms and the advisor read them; a whole-model prediction needs "all".
     refuse: a rule against the rest of the run's config: (key, value, why) when the pairing cannot run."""
 
     name: str
@@ -51,9 +53,13 @@ class OptimizerEntry:
     config: type
     build: Callable[[Any, list[tuple[str, Any]]], Any]
     scale_rule: ScaleRule
-    adam_state: bool
+    adam_state: str | None
     summary: str
     refuse: Callable[[Any], tuple[str, Any, str] | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.adam_state not in ADAM_STATES:
+            raise ValueError(f"{self.name}: adam_state={self.adam_state!r}, one of {ADAM_STATES}")
 
 
 @dataclass

@@ -26,6 +26,6 @@ def build(cfg: LionConfig, named_params):
 
 
 ENTRY = OptimizerEntry(
-    name="lion", label="Lion", config=LionConfig, build=build, adam_state=False, scale_rule=ScaleRule("invariant"),
+    name="lion", label="Lion", config=LionConfig, build=build, adam_state=None, scale_rule=ScaleRule("invariant"),
     summary="Lion (hand-written): every update is +-lr, invariant to c until g underflows",
 )

@@ -70,7 +70,7 @@ def refuse(cfg) -> tuple[str, str, str] | None:
 
 
 ENTRY = OptimizerEntry(
-    name="muon", label="Muon", config=MuonConfig, build=build, adam_state=True, refuse=refuse,
+    name="muon", label="Muon", config=MuonConfig, build=build, adam_state="part", refuse=refuse,
     # the twin is the AdamW part's (Muon's own clamp is far from binding); exact at powers of two
     scale_rule=ScaleRule("eps", eps_key="adamw_eps", twin=(("adamw_eps", -1),)),
     summary="Muon on hidden matrices (invariant), AdamW on embeddings, output, norms (eps-limited)",

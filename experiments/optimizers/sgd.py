@@ -29,7 +29,7 @@ def build(cfg: SGDConfig, named_params):
 
 
 ENTRY = OptimizerEntry(
-    name="sgd", label="SGD", config=SGDConfig, build=build, adam_state=False,
+    name="sgd", label="SGD", config=SGDConfig, build=build, adam_state=None,
     scale_rule=ScaleRule("linear", twin=(("lr", 1),), twin_needs_no_weight_decay=True),
     summary="torch.optim.SGD: the step is linear in c (SGD(lr, c) == SGD(lr * c, 1) without decay)",
 )
