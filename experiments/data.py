@@ -82,6 +82,7 @@ SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-pa
 MIN_DOCSTRING_CHARS = 40  # one-liners like "Return self." teach nothing
 
 
+@functools.lru_cache(maxsize=1)  # walking the library takes about a second; a sweep's jobs ask for it often
 def stdlib_files() -> tuple[Path, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return tuple(p for p in sorted(root.rglob("*.py"))

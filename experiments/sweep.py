@@ -31,16 +31,19 @@ class ValidateBeforeRun(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         run_dir = Path(config.hydra.run.dir)
+        is_rank_0 = int(os.environ.get("RANK", "0")) == 0
         try:
             validate(config)
             check_environment(config)
             check_writable("hydra.run.dir", run_dir)
-            if (run_dir / ".hydra" / "config.yaml").exists():
+            # Under torchrun rank 0 alone checks and writes the provenance: another rank could read the
+            # config.yaml rank 0 is writing at that moment.
+            if is_rank_0 and (run_dir / ".hydra" / "config.yaml").exists():
                 check_same_config(run_dir, config, "hydra.run.dir", run_dir, "this run")
         except ConfigError as e:
             print(e, file=sys.stderr, flush=True)
             sys.exit(2)
-        if is_finished(run_dir):  # the run will be skipped: its provenance stays as it ran
+        if not is_rank_0 or is_finished(run_dir):  # a skipped run's provenance stays as it ran
             with open_dict(config.hydra):
                 config.hydra.output_subdir = None
 

@@ -15,6 +15,7 @@ Builds are guarded by a file lock, so two jobs of a parallel sweep (or torchrun 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -69,8 +70,14 @@ def base_digest(model_cfg, files: tuple[Path, ...]) -> str:
     parts = [BASE_RECIPE_VERSION, llama_config(model_cfg).to_json_string(use_diff=False),
              json.dumps(vars(model_cfg.pretrain), sort_keys=True)]
     parts += [f"{p}={metadata.version(p)}" for p in ("torch", "transformers", "tokenizers")]
-    files_digest = content_digest(p.read_bytes().decode("utf-8", "replace") for p in files)
-    return content_digest([*parts, files_digest])
+    return content_digest([*parts, corpus_digest(files)])
+
+
+@functools.lru_cache(maxsize=1)  # the corpus is megabytes: read once per process, not once per job
+def corpus_digest(files: tuple[Path, ...]) -> str:
+    from experiments.data import content_digest
+
+    return content_digest(p.read_bytes().decode("utf-8", "replace") for p in files)
 
 
 def base_dir(model_cfg) -> Path:
