@@ -28,6 +28,15 @@ def update_ratio(c, s, eps):
     return adam_denominator(s, eps) / adam_denominator(s, eps, c)
 
 
+def departure_threshold(c: float, eps: float, by: float = 0.1) -> float | None:
+    """The sqrt(v_hat) below which Adam's update at multiplier c is off by more than `by` (update_ratio
+    outside 1 +- by), from (s + eps) / (s + eps / c) = q; None when none is (the ratio lies between 1 and c)."""
+    q = 1 - by if c < 1 else 1 + by
+    if (c < 1 and c >= q) or (c >= 1 and c <= q):
+        return None
+    return eps * (q / c - 1) / (1 - q)
+
+
 def critical_scale(s, eps):
     """c* = eps / s: below it, eps dominates that coordinate's denominator (r < 1/2)."""
     return eps / np.asarray(s, dtype=float)

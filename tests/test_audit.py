@@ -1,0 +1,220 @@
+"""The audit (experiments/audit): its batch and layout, its comparison on made-up gradients, and on real gloo ranks
+every zoo bug flagged with the multiplier its mechanism predicts while every fix passes (its mutation self-test),
+the real HF Trainer, a user's own step, and the command's bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from experiments.audit import (
+    TOLERANCE,
+    AuditError,
+    Result,
+    audit_many,
+    batch_size_for,
+    compare,
+    counts_of,
+    global_batch,
+    layout,
+    meaning,
+    report,
+    resolve_target,
+)
+from experiments.audit.zoo import ZOO
+from tests.conftest import OFFLINE_ENV, ROOT
+
+GRID = [(n, k) for n in (1, 2, 4) for k in (1, 4)]
+
+
+@pytest.mark.parametrize("n,k", GRID)
+def test_layout_deals_every_sequence_once_raggedly_with_one_empty_micro_batch(n, k):
+    _, labels = global_batch(2048, batch_size_for([1, 2, 4], [1, 4]))
+    counts = counts_of(labels)
+    dealt = layout(counts, n, k)
+    assert sorted(i for rank in dealt for mb in rank for i in mb) == list(range(len(counts)))
+    per_micro_batch = [[sum(counts[i] for i in mb) for mb in rank] for rank in dealt]
+    if n * k > 1:
+        assert per_micro_batch[-1][-1] == 0  # the last rank's last micro-batch trains nothing
+        assert len({sum(r) for r in per_micro_batch[:-1]} | {sum(per_micro_batch[-1])}) > 1 or n == 1
+    if k > 1:  # every rank trains something: a per-rank count is never zero
+        assert all(sum(r) > 0 for r in per_micro_batch)
+        assert len({t for r in per_micro_batch for t in r}) > 2  # micro-batches differ too
+
+
+def made_up(reference: dict[str, torch.Tensor], **scale_by_group) -> dict[str, torch.Tensor]:
+    from analysis.theory import tensor_group
+
+    return {n: g * scale_by_group.get(tensor_group(n).split()[0], 1.0) for n, g in reference.items()}
+
+
+@pytest.fixture
+def reference():
+    gen = torch.Generator().manual_seed(0)
+    names = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+             "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+    return {n: torch.randn(7, 5, generator=gen, dtype=torch.float64) for n in names}
+
+
+def result_of(reference, grads, logged=None, ranks=1):
+    return compare(Result(ranks, 1, [[1]] * ranks), [grads] * ranks, [logged] * ranks, reference, TOLERANCE)
+
+
+def test_compare_finds_a_uniform_multiplier_and_passes_the_reference(reference):
+    assert result_of(reference, reference).ok
+    half = result_of(reference, {n: g / 2 for n, g in reference.items()})
+    assert not half.ok and half.c == pytest.approx(0.5, abs=1e-12) and half.residual < 1e-12
+    assert half.reasons == ["gradient x0.5 the global token-mean's"]
+
+
+def test_compare_names_the_group_that_differs(reference):
+    result = result_of(reference, made_up(reference, MLP=4.0))
+    assert result.group_c["MLP"] == pytest.approx(4.0) and result.group_c["attention"] == pytest.approx(1.0)
+    assert result.reasons == ["tensor groups scaled unequally: MLP x4, embeddings / output x1, attention x1, norms x1"]
+
+
+def test_compare_flags_a_residual_and_a_logged_norm_and_a_nan(reference):
+    tilted = dict(reference)
+    tilted["model.norm.weight"] = reference["model.norm.weight"] + 0.3 * torch.ones_like(reference["model.norm.weight"])
+    assert any(r.startswith("residual") for r in result_of(reference, tilted).reasons)
+    true_norm = torch.cat([g.flatten() for g in reference.values()]).norm().item()
+    logged = result_of(reference, reference, logged=true_norm / 2 ** 0.5)
+    assert logged.logged_over_true == pytest.approx(2 ** -0.5)
+    assert any(r.startswith("logged norm") for r in logged.reasons)
+    assert result_of(reference, reference, logged=true_norm).ok
+    nan = dict(reference)
+    nan["model.norm.weight"] = reference["model.norm.weight"] * math.nan
+    assert result_of(reference, nan).reasons[0].startswith("NaN in rank 0's gradient")
+
+
+def test_compare_flags_ranks_that_disagree(reference):
+    other = {n: g * (1.001 if "norm" in n else 1.0) for n, g in reference.items()}
+    result = compare(Result(2, 1, [[1], [1]]), [reference, other], [None, None], reference, TOLERANCE)
+    assert any(r.startswith("ranks hold different gradients") for r in result.reasons)
+
+
+def test_meaning_gives_sgds_lr_factor_and_adams_threshold():
+    from analysis.theory import update_ratio
+
+    text = meaning(0.125)
+    assert "SGD: the lr is in effect x0.125" in text and "sqrt(v_hat) < 6.2e-07" in text
+    assert update_ratio(0.125, 6.2e-7, 1e-8) == pytest.approx(0.9)
+    assert "no coordinate's update moves" in meaning(1.05)
+
+
+def test_a_bad_target_is_one_line_before_any_rank_starts():
+    with pytest.raises(AuditError, match=r"target 'nope' is neither a built-in target \(.*hf_trainer"):
+        resolve_target("nope")
+    with pytest.raises(AuditError, match="cannot import 'no_such_module'"):
+        resolve_target("no_such_module:step")
+    with pytest.raises(AuditError, match="has no function 'nope'"):
+        resolve_target("experiments.audit.zoo:nope")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["zoo_nope"], "error: target 'zoo_nope' is neither a built-in target"),
+    (["global_token_mean", "--world-sizes", "3"], "error: --world-sizes 3: each must be one of 1, 2, 4, 8"),
+    (["global_token_mean", "--accumulation", "1,x"], "--accumulation 1,x: comma-separated integers"),
+    (["global_token_mean", "--tolerance", "0"], "error: --tolerance 0.0: must be in (0, 1)"),
+    (["global_token_mean", "--json", "/nonexistent/x.json"], "error: --json /nonexistent/x.json: its folder does not"),
+])
+def test_the_command_refuses_bad_input_in_one_line_before_work(args, message):
+    proc = subprocess.run([sys.executable, "-m", "experiments.audit", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **OFFLINE_ENV})
+    assert proc.returncode == 2
+    assert message in proc.stderr and "audit" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+ZOO_TARGETS = [e.name for e in ZOO] + sorted({e.fixed for e in ZOO})
+PEER_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "hf_trainer", "hf_trainer_no_token_average"]
+
+
+@pytest.fixture(scope="module")
+def audited():
+    """Every target below on 1, 2 and 4 real ranks, K = 1 and 4: one launch per world size for all of them."""
+    return audit_many(ZOO_TARGETS + PEER_TARGETS, world_sizes=(1, 2, 4), accumulations=(1, 4))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_every_zoo_bug_is_flagged_as_its_mechanism_predicts_and_every_fix_passes(audited):
+    """The audit's mutation self-test: 7 bugs and their fixes."""
+    results = audited
+    for entry in ZOO:
+        for r in results[entry.fixed]:
+            assert r.ok, f"fix {entry.fixed} at N={r.world_size} K={r.accumulation}: {r.reasons}"
+        for r in results[entry.name]:
+            n, k = r.world_size, r.accumulation
+            where = f"{entry.name} at N={n} K={k}: {r.reasons}"
+            assert r.ok is not entry.shows(n, k), where
+            if entry.expected_c is not None:
+                assert r.c == pytest.approx(entry.expected_c(n, k), rel=1e-5), where
+            for group, c in (entry.expected_group_c or {}).items():
+                assert r.group_c[group] == pytest.approx(c(n, k), rel=1e-5), where
+                assert all(v == pytest.approx(1, rel=1e-5) for g, v in r.group_c.items() if g != group), where
+                assert not entry.shows(n, k) or r.reasons[0].startswith("tensor groups scaled unequally"), where
+
+    # the mechanisms that are no multiplier show as a residual, and the shard norm as the logged norm
+    def reasons(name, where):
+        return [x for r in results[name] if where(r) for x in r.reasons]
+    assert any(x.startswith("residual") for x in reasons("per_rank_mean", lambda r: r.world_size > 1))
+    assert any(x.startswith("residual") for x in reasons("per_microbatch_mean", lambda r: r.accumulation > 1))
+    assert all(r.logged_over_true < 1 - 0.1 for r in results["local_shard_norm"] if r.world_size > 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gradscales_own_recipes_audit_as_their_documented_behaviour(audited):
+    assert all(r.ok for r in audited["gradscale"]), report("gradscale", audited["gradscale"], TOLERANCE)
+    for r in audited["gradscale_global_tokens_no_world_fix"]:
+        assert r.c == pytest.approx(1 / r.world_size, rel=1e-5) and r.ok is (r.world_size == 1)
+
+
+USER_STEP = '''
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+
+def step(model, micro_batches, world):
+    """A user's step with a bug of the kind docs/audit.md describes: each micro-batch divided by the rank's
+    sequence count times K, not by the trained-token count."""
+    net = DistributedDataParallel(model)
+    for k, mb in enumerate(micro_batches):
+        logits = net(input_ids=mb["input_ids"]).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(),
+                                                 ignore_index=-100, reduction="sum")
+        (loss / (len(mb["input_ids"]) * len(micro_batches))).backward()
+    return None
+'''
+
+
+@pytest.mark.distributed
+def test_a_users_own_step_runs_from_the_command_line_and_fails_with_exit_1(tmp_path):
+    (tmp_path / "my_loop.py").write_text(USER_STEP)
+    out = tmp_path / "audit.json"
+    proc = subprocess.run([sys.executable, "-m", "experiments.audit", "my_loop:step", "--world-sizes", "1,2",
+                           "--accumulation", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **OFFLINE_ENV, "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "my_loop:step: 2 of 2 configurations FAIL" in proc.stdout
+    rows = json.loads(out.read_text())["results"]
+    assert [r["world_size"] for r in rows] == [1, 2] and not any(r["ok"] for r in rows)
+    # sequences, not tokens: c is the global batch's trained tokens per sequence
+    tokens = sum(sum(t) for t in rows[0]["tokens"])
+    assert rows[0]["c"] == pytest.approx(tokens / rows[0]["sequences"], rel=1e-5) and rows[0]["c"] > 1.5
+    assert "audit my_loop:step: 2 ranks (gloo)" in proc.stderr  # progress, before the work
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hf_trainer_passes_with_token_averaging_and_is_flagged_without_it(audited):
+    on, off = audited["hf_trainer"], audited["hf_trainer_no_token_average"]
+    assert all(r.ok for r in on), report("hf_trainer", on, TOLERANCE)
+    assert all(r.ok for r in off if r.world_size == 1)  # one rank: its own count is the global one
+    assert all(not r.ok for r in off if r.world_size > 1), report("hf_trainer_no_token_average", off, TOLERANCE)
