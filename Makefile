@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SWEEP_ARGS ?=
 
-.PHONY: sweep test test-fast install carry rehearsal clean
+.PHONY: sweep test test-fast install carry rehearsal peers clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,15 @@ carry: .whl/.complete
 
 .whl/.complete: scripts/device_carry.py scripts/device_carry.txt scripts/device_image.txt | $(VENV)/.installed
 	$(PY) scripts/device_carry.py --dir .whl
+	touch $@
+
+# The audit's peer frameworks (pyproject's `peers` extra, its pins) in a folder of their own, put on the path only by
+# the adapters that need them (experiments/audit/adapters.py says why).
+peers: .peers/.complete
+
+.peers/.complete: pyproject.toml | $(VENV)/.installed
+	rm -rf .peers
+	$(PY) -m pip install --quiet --no-deps --target .peers $$($(PY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["peers"]))')
 	touch $@
 
 rehearsal: .rehearsal/.complete
@@ -40,7 +49,7 @@ sweep: install
 		hydra/launcher=local_parallel hydra.sweep.dir=$(SWEEP_DIR) $(SWEEP_ARGS)
 	$(PY) -m analysis.report $(SWEEP_DIR)
 
-test: install carry rehearsal
+test: install carry rehearsal peers
 	$(VENV)/bin/ruff check .
 	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 $(PY) -m pytest
 
@@ -49,4 +58,4 @@ test-fast: install
 	WANDB_MODE=disabled $(PY) -m pytest -m "not slow and not distributed and not gpu"
 
 clean:
-	rm -rf $(VENV) .whl .rehearsal device_check outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) .whl .rehearsal .peers device_check outputs multirun .pytest_cache .ruff_cache

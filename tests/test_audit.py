@@ -133,12 +133,22 @@ def test_the_command_refuses_bad_input_in_one_line_before_work(args, message):
 
 ZOO_TARGETS = [e.name for e in ZOO] + sorted({e.fixed for e in ZOO})
 PEER_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "hf_trainer", "hf_trainer_no_token_average"]
+OPTIONAL_PEERS = ["trl_sft", "torchtune", "torchtune_pr2172"]  # `make test` installs them (make peers)
+
+
+def installed(target: str) -> bool:
+    try:
+        resolve_target(target)
+        return True
+    except AuditError:
+        return False
 
 
 @pytest.fixture(scope="module")
 def audited():
     """Every target below on 1, 2 and 4 real ranks, K = 1 and 4: one launch per world size for all of them."""
-    return audit_many(ZOO_TARGETS + PEER_TARGETS, world_sizes=(1, 2, 4), accumulations=(1, 4))
+    optional = [t for t in OPTIONAL_PEERS if installed(t)]
+    return audit_many(ZOO_TARGETS + PEER_TARGETS + optional, world_sizes=(1, 2, 4), accumulations=(1, 4))
 
 
 @pytest.mark.distributed
@@ -218,3 +228,24 @@ def test_hf_trainer_passes_with_token_averaging_and_is_flagged_without_it(audite
     assert all(r.ok for r in on), report("hf_trainer", on, TOLERANCE)
     assert all(r.ok for r in off if r.world_size == 1)  # one rank: its own count is the global one
     assert all(not r.ok for r in off if r.world_size > 1), report("hf_trainer_no_token_average", off, TOLERANCE)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_trl_and_torchtune_pass_and_torchtunes_pre_fix_factor_is_one_over_n(audited):
+    if not all(installed(t) for t in OPTIONAL_PEERS):
+        pytest.skip("the peers are not installed (make peers)")
+    for target in ("trl_sft", "torchtune"):
+        assert all(r.ok for r in audited[target]), report(target, audited[target], TOLERANCE)
+    for r in audited["torchtune_pr2172"]:
+        assert r.c == pytest.approx(1 / r.world_size, rel=1e-5) and r.residual < TOLERANCE
+        assert r.ok is (r.world_size == 1)
+
+
+def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
+    from experiments.audit import adapters
+
+    monkeypatch.setattr(adapters, "PEERS_DIR", tmp_path / "none")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(AuditError, match=r"error: torchtune is not installed: pip install -e '.\[peers\]'"):
+        resolve_target("torchtune")

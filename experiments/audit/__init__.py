@@ -94,7 +94,11 @@ def builtin_targets() -> dict[str, tuple[str, str]]:
 
 def resolve_target(spec: str) -> Callable:
     """A built-in target's name or `module:function`, as the callable step (AuditError, one line, if not)."""
+    from experiments.audit.adapters import REQUIRES, find_peer
+
     builtins = builtin_targets()
+    if spec in REQUIRES:
+        find_peer(REQUIRES[spec])
     path = builtins[spec][0] if spec in builtins else spec
     if ":" not in path:
         raise AuditError(f"error: target {spec!r} is neither a built-in target ({', '.join(sorted(builtins))}) "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -64,7 +65,7 @@ def _run_trainer(trainer_class, model, micro_batches, args) -> float | None:
             return DataLoader(micro_batches, batch_size=None, shuffle=False)
 
     optimizer = KeepGradients(model.parameters())
-    trainer = OnTheseBatches(model=model, args=args, train_dataset=_StandIn(micro_batches),
+    trainer = OnTheseBatches(model=model, args=args, train_dataset=_stand_in(micro_batches),
                              optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
                              callbacks=[KeepLogs()], **_processing_class(trainer_class))
     trainer.train()
@@ -73,22 +74,55 @@ def _run_trainer(trainer_class, model, micro_batches, args) -> float | None:
     return logged.get("grad_norm")
 
 
-class _StandIn(torch.utils.data.Dataset):
-    """The train_dataset the trainers insist on (its length and columns); batches come from the loader."""
+def _stand_in(micro_batches):
+    """The train_dataset the trainers insist on (a datasets.Dataset, for its length and columns); the batches
+    come from the loader."""
+    from datasets import Dataset
 
-    def __init__(self, micro_batches):
-        self.rows = [{"input_ids": ids, "labels": labels} for mb in micro_batches
-                     for ids, labels in zip(mb["input_ids"], mb["labels"])]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
+    return Dataset.from_dict({key: [row.tolist() for mb in micro_batches for row in mb[key]]
+                              for key in micro_batches[0]})
 
 
 def _processing_class(trainer_class) -> dict:
-    return {}
+    """TRL's trainers insist on a tokenizer (for padding); the batches are tokenized already."""
+    if trainer_class.__module__.startswith("transformers"):
+        return {}
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(TOKENIZER_VOCAB)}
+    return {"processing_class": PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")),
+                                                        pad_token="t0", eos_token="t1")}
+
+
+TOKENIZER_VOCAB = 2048  # the tiny model's
+
+
+def find_peer(module: str) -> None:
+    """A peer framework is importable: from the environment, else from .peers/ (`make peers`, which keeps them
+    off the path of everything else), else an AuditError saying how to install it. Imports nothing."""
+    import importlib
+    import importlib.util
+    import sys
+
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None and PEERS_DIR.is_dir() and str(PEERS_DIR) not in sys.path:
+        sys.path.append(str(PEERS_DIR))
+        importlib.invalidate_caches()
+    if importlib.util.find_spec(top) is None:
+        from experiments.audit import AuditError
+
+        raise AuditError(f"error: {top} is not installed: pip install -e '.[peers]' (or make peers)")
+
+
+def peer(module: str):
+    import importlib
+
+    find_peer(module)
+    return importlib.import_module(module)
+
+
+PEERS_DIR = Path(__file__).resolve().parents[2] / ".peers"
 
 
 def hf_trainer(model, micro_batches, world: World) -> float | None:
@@ -105,6 +139,123 @@ def hf_trainer_no_token_average(model, micro_batches, world: World) -> float | N
     with tempfile.TemporaryDirectory() as out:
         return _run_trainer(Trainer, model, micro_batches,
                             _hf_training_arguments(TrainingArguments, world, out, average_tokens_across_devices=False))
+
+
+class _LogitsOnly(torch.nn.Module):
+    """The suite's model as torchtune's recipe calls it: model(**batch) -> logits, chunked for its loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return [self.model(input_ids=input_ids).logits]  # one chunk: CEWithChunkedOutputLoss(num_output_chunks=1)
+
+
+def torchtune(model, micro_batches, world: World) -> float | None:
+    """torchtune 0.6.1's full fine-tune distributed recipe: its own train() loop (loss times the micro-batch's
+    token count, all-reduced token count, scale_grads(world_size / num_tokens), clip_grad_norm_) on FSDP2 over
+    gloo. Built without its setup(), which would load torchtune's checkpoint, tokenizer and dataset: the model,
+    loss, optimizer and loader are set as setup() sets them, the model and batches the audit's."""
+    return _torchtune_recipe(model, micro_batches, world)
+
+
+def torchtune_pr2172(model, micro_batches, world: World) -> float | None:
+    """The zoo mutation of torchtune's step before PR 2172: scale_grads(1 / num_tokens), without the world size
+    that undoes FSDP2's average over ranks."""
+    training = peer("torchtune.training")
+    real = training.scale_grads
+    training.scale_grads = lambda net, factor: real(net, factor / world.size)  # the pre-fix factor
+    try:
+        return _torchtune_recipe(model, micro_batches, world)
+    finally:
+        training.scale_grads = real
+
+
+def _torchtune_recipe(model, micro_batches, world: World) -> float | None:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training = peer("torchtune.training")
+        from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    net = _LogitsOnly(model)
+    training.shard_model(net, [lambda name, m: isinstance(m, LlamaDecoderLayer)], cpu_offload=False,
+                         dp_mesh=init_device_mesh("cpu", (world.size,)))
+    logged: dict = {}
+
+    class KeepLogs:
+        def log_dict(self, payload, step):
+            logged.update(payload)
+
+    class Loader(list):
+        sampler = type("Sampler", (), {"set_epoch": lambda self, epoch: None})()
+
+        def state_dict(self):
+            return {}
+
+    recipe_class = _torchtune_recipe_module().FullFinetuneRecipeDistributed
+    recipe = recipe_class.__new__(recipe_class)
+    optimizer = KeepGradients(net.parameters())
+    loss = CEWithChunkedOutputLoss(num_output_chunks=1)
+    recipe.__dict__.update(
+        _model=net, _optimizer=optimizer, _optimizer_in_bwd=False, _loss_fn=loss, _lr_scheduler=None,
+        _dataloader=Loader(dict(mb) for mb in micro_batches), _gradient_accumulation_steps=world.accumulation,
+        _clip_grad_norm="inf",  # its documented way to log the norm without clipping
+        _device=torch.device("cpu"), _is_rank_zero=world.rank == 0, _log_every_n_steps=1,
+        _log_peak_memory_stats=False, _metric_logger=KeepLogs(), _steps_per_epoch=1, max_steps_per_epoch=1,
+        total_epochs=1, epochs_run=0, global_step=0, seed=0, world_size=world.size,
+        ignore_labels_cache=torch.full((64, 1), loss.ignore_index), activations_handling_ctx=contextlib.nullcontext(),
+        _profiler=training.DummyProfiler(), profiler_profile_memory=False, profiler_wait_steps=0,
+        profiler_warmup_steps=0, profiler_active_steps=0,
+        _checkpoint_client=type("NoCheckpoint", (), {"save_checkpoint": lambda self, **kwargs: None})())
+    for mb in recipe._dataloader:  # torchtune's batches: the model's inputs and labels, nothing else
+        mb["input_ids"] = mb.pop("input_ids")
+    cleanup = training.cleanup_before_training
+    training.cleanup_before_training = lambda: None  # it calls torch.cpu.empty_cache, which torch does not have
+    try:
+        recipe.train()
+    finally:
+        training.cleanup_before_training = cleanup
+    for p in net.parameters():
+        p.grad = optimizer.kept.get(p)
+    norm = logged.get("grad_norm")
+    return None if norm is None else float(norm)
+
+
+def _torchtune_recipe_module():
+    """recipes/full_finetune_distributed.py as torchtune installs it (its recipes/__init__.py refuses imports,
+    so the file is loaded by path, once)."""
+    import importlib.util
+    import sys
+    import warnings
+
+    name = "torchtune_full_finetune_distributed"
+    if name not in sys.modules:
+        folder = importlib.util.find_spec("recipes").submodule_search_locations[0]  # does not run __init__
+        spec = importlib.util.spec_from_file_location(name, f"{folder}/full_finetune_distributed.py")
+        module = importlib.util.module_from_spec(spec)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def trl_sft(model, micro_batches, world: World) -> float | None:
+    """TRL's SFTTrainer in fp32 (SFTConfig defaults to bf16), on batches tokenized already."""
+    peer("trl")
+    from trl import SFTConfig, SFTTrainer
+
+    with_mask = [{**mb, "attention_mask": torch.ones_like(mb["input_ids"])} for mb in micro_batches]  # TRL counts it
+    with tempfile.TemporaryDirectory() as out:
+        args = _hf_training_arguments(SFTConfig, world, out, bf16=False, dataset_kwargs={"skip_prepare_dataset": True})
+        return _run_trainer(SFTTrainer, model, with_mask, args)
 
 
 def gradscale_step(recipe_name: str):
@@ -153,11 +304,18 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+REQUIRES = {"trl_sft": "trl", "torchtune": "torchtune", "torchtune_pr2172": "torchtune"}  # the peer each needs
+
 ADAPTERS: dict[str, tuple[str, str]] = {
     "hf_trainer": ("experiments.audit.adapters:hf_trainer",
                    "transformers.Trainer, average_tokens_across_devices=True (the default), "
                    "gradient_accumulation_steps=K"),
     "hf_trainer_no_token_average": ("experiments.audit.adapters:hf_trainer_no_token_average",
                                     "transformers.Trainer with average_tokens_across_devices=False"),
+    "trl_sft": ("experiments.audit.adapters:trl_sft", "TRL 1.16.0's SFTTrainer in fp32, gradient_accumulation_steps=K"),
+    "torchtune": ("experiments.audit.adapters:torchtune",
+                  "torchtune 0.6.1 full_finetune_distributed's train() on FSDP2 (its fixed scaling)"),
+    "torchtune_pr2172": ("experiments.audit.adapters:torchtune_pr2172",
+                         "zoo: that step with its factor before PR 2172 (1 / num_tokens: gradients 1/N)"),
     **_gradscale_targets(),
 }
