@@ -132,7 +132,8 @@ def test_the_command_refuses_bad_input_in_one_line_before_work(args, message):
 
 
 ZOO_TARGETS = [e.name for e in ZOO] + sorted({e.fixed for e in ZOO})
-PEER_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "hf_trainer", "hf_trainer_no_token_average"]
+PEER_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "hf_trainer", "hf_trainer_no_token_average",
+                "examples.audit_step:fixed_step"]
 OPTIONAL_PEERS = ["trl_sft", "torchtune", "torchtune_pr2172"]  # `make test` installs them (make peers)
 
 
@@ -180,45 +181,29 @@ def test_every_zoo_bug_is_flagged_as_its_mechanism_predicts_and_every_fix_passes
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_gradscales_own_recipes_audit_as_their_documented_behaviour(audited):
+def test_gradscales_own_recipes_and_the_docs_fixed_example_audit_as_documented(audited):
+    fixed = audited["examples.audit_step:fixed_step"]
+    assert all(r.ok for r in fixed), report("fixed_step", fixed, TOLERANCE)
     assert all(r.ok for r in audited["gradscale"]), report("gradscale", audited["gradscale"], TOLERANCE)
     for r in audited["gradscale_global_tokens_no_world_fix"]:
         assert r.c == pytest.approx(1 / r.world_size, rel=1e-5) and r.ok is (r.world_size == 1)
 
 
-USER_STEP = '''
-import torch
-from torch.nn.parallel import DistributedDataParallel
-
-
-def step(model, micro_batches, world):
-    """A user's step with a bug of the kind docs/audit.md describes: each micro-batch divided by the rank's
-    sequence count times K, not by the trained-token count."""
-    net = DistributedDataParallel(model)
-    for k, mb in enumerate(micro_batches):
-        logits = net(input_ids=mb["input_ids"]).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), mb["labels"][:, 1:].flatten(),
-                                                 ignore_index=-100, reduction="sum")
-        (loss / (len(mb["input_ids"]) * len(micro_batches))).backward()
-    return None
-'''
-
-
 @pytest.mark.distributed
-def test_a_users_own_step_runs_from_the_command_line_and_fails_with_exit_1(tmp_path):
-    (tmp_path / "my_loop.py").write_text(USER_STEP)
+def test_the_docs_example_step_is_flagged_at_one_over_k_from_the_command_line(tmp_path):
+    """examples/audit_step.py, docs/audit.md's example: divided by K on top of the global token count."""
     out = tmp_path / "audit.json"
-    proc = subprocess.run([sys.executable, "-m", "experiments.audit", "my_loop:step", "--world-sizes", "1,2",
-                           "--accumulation", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **OFFLINE_ENV, "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    proc = subprocess.run([sys.executable, "-m", "experiments.audit", "examples.audit_step:step", "--world-sizes",
+                           "1,2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **OFFLINE_ENV})
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "my_loop:step: 2 of 2 configurations FAIL" in proc.stdout
+    assert "examples.audit_step:step: 2 of 4 configurations FAIL" in proc.stdout
+    assert "what c = 0.25 means: SGD: the lr is in effect x0.25" in proc.stdout
     rows = json.loads(out.read_text())["results"]
-    assert [r["world_size"] for r in rows] == [1, 2] and not any(r["ok"] for r in rows)
-    # sequences, not tokens: c is the global batch's trained tokens per sequence
-    tokens = sum(sum(t) for t in rows[0]["tokens"])
-    assert rows[0]["c"] == pytest.approx(tokens / rows[0]["sequences"], rel=1e-5) and rows[0]["c"] > 1.5
-    assert "audit my_loop:step: 2 ranks (gloo)" in proc.stderr  # progress, before the work
+    assert [(r["world_size"], r["accumulation"]) for r in rows] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    for r in rows:
+        assert r["c"] == pytest.approx(1 / r["accumulation"], rel=1e-5) and r["ok"] is (r["accumulation"] == 1)
+    assert "audit examples.audit_step:step: 2 ranks (gloo)" in proc.stderr  # progress, before the work
 
 
 @pytest.mark.distributed
