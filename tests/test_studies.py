@@ -48,8 +48,11 @@ def test_preset_composes_and_documents_itself(name):
         validate(compose([f"experiment={name}", *values]), overrides=[])
 
 
-def run_preset(name: str, sweep_dir, cache_dir, *extra: str) -> subprocess.CompletedProcess:
+def run_preset(name: str, sweep_dir, cache_dir, *extra: str, threads: int | None = None
+               ) -> subprocess.CompletedProcess:
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.run(
         ["scripts/study.sh", name, "smoke=on", *extra], cwd=ROOT, capture_output=True, text=True, timeout=600,
         env={**env, "STUDY_DIR": str(sweep_dir), "PYTHON": os.environ.get("PYTHON", sys.executable)},
@@ -98,14 +101,29 @@ def unfinished_jobs(name: str, sweep_dir) -> dict[str, tuple]:
     return unfinished
 
 
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory, cache_dir, gguf_stand_in) -> dict[str, tuple[subprocess.CompletedProcess, object]]:
+    """Every preset in its smoke form, two at a time on one thread each (the jobs are tiny: each preset is mostly
+    single-threaded Python, so the two cores finish them sooner side by side), the largest grids first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path_factory.mktemp("smoke")
+    extra = {name: gguf_stand_in if compose([f"experiment={name}"]).model.gguf_file is not None else []
+             for name in PRESETS}  # composed here: Hydra's global state is not for threads
+
+    def run(name):
+        return name, (run_preset(name, root / name, cache_dir, *extra[name], threads=1), root / name)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, sorted(PRESETS, key=expected_jobs, reverse=True)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
-def test_preset_runs_whole_in_smoke_form_with_its_report(name, tmp_path, cache_dir, gguf_stand_in):
+def test_preset_runs_whole_in_smoke_form_with_its_report(name, smoke_runs):
     """Every job of the grid ran and completed all its smoke steps (a job named in EXPECTED_DIVERGENCE may
     diverge instead), and the report is written."""
-    sweep_dir = tmp_path / name
-    uses_gguf = compose([f"experiment={name}"]).model.gguf_file is not None
-    proc = run_preset(name, sweep_dir, cache_dir, *(gguf_stand_in if uses_gguf else []))
+    proc, sweep_dir = smoke_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(job_dirs(sweep_dir)) == expected_jobs(name)
     assert unfinished_jobs(name, sweep_dir) == {}

@@ -88,8 +88,13 @@ def builtin_targets() -> dict[str, tuple[str, str]]:
     """name -> (module:function, one-line summary): the zoo and the framework adapters."""
     from experiments.audit import adapters, zoo
 
-    return {**adapters.ADAPTERS, **{e.name: (f"experiments.audit.zoo:{e.name}", e.summary) for e in zoo.ZOO},
-            **{f"{e.fixed}": (f"experiments.audit.zoo:{e.fixed}", "fixed counterpart") for e in zoo.ZOO}}
+    fixes: dict[str, list[str]] = {}
+    for e in zoo.ZOO:
+        fixes.setdefault(e.fixed, []).append(e.name)
+    bugs = {e.name: (f"experiments.audit.zoo:{e.name}", f"zoo: {e.summary}") for e in zoo.ZOO}
+    fixed = {fix: (f"experiments.audit.zoo:{fix}", f"zoo, the fix of: {', '.join(names)}")
+             for fix, names in fixes.items()}
+    return {**adapters.ADAPTERS, **bugs, **fixed}
 
 
 def resolve_target(spec: str) -> Callable:

@@ -98,27 +98,30 @@ def _processing_class(trainer_class) -> dict:
 TOKENIZER_VOCAB = 2048  # the tiny model's
 
 
-def find_peer(module: str) -> None:
-    """A peer framework is importable: from the environment, else from .peers/ (`make peers`, which keeps them
-    off the path of everything else), else an AuditError saying how to install it. Imports nothing."""
-    import importlib
+def find_peer(module: str) -> bool:
+    """Whether a peer framework must come from .peers/ (`make peers`, which keeps it off the path of everything
+    else) rather than the environment; an AuditError saying how to install it when it is in neither. Imports
+    nothing and leaves sys.path as it is: a process that then loads a model keeps torchao out."""
     import importlib.util
-    import sys
 
     top = module.split(".")[0]
-    if importlib.util.find_spec(top) is None and PEERS_DIR.is_dir() and str(PEERS_DIR) not in sys.path:
-        sys.path.append(str(PEERS_DIR))
-        importlib.invalidate_caches()
-    if importlib.util.find_spec(top) is None:
-        from experiments.audit import AuditError
+    if importlib.util.find_spec(top) is not None:
+        return False
+    if (PEERS_DIR / top).is_dir():
+        return True
+    from experiments.audit import AuditError
 
-        raise AuditError(f"error: {top} is not installed: pip install -e '.[peers]' (or make peers)")
+    raise AuditError(f"error: {top} is not installed: pip install -e '.[peers]' (or make peers)")
 
 
 def peer(module: str):
+    """The peer framework's module, imported (in a rank process, after its model is loaded)."""
     import importlib
+    import sys
 
-    find_peer(module)
+    if find_peer(module) and str(PEERS_DIR) not in sys.path:
+        sys.path.append(str(PEERS_DIR))
+        importlib.invalidate_caches()
     return importlib.import_module(module)
 
 
