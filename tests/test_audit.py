@@ -234,3 +234,12 @@ def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
     with pytest.raises(AuditError, match=r"error: torchtune is not installed: pip install -e '.\[peers\]'"):
         resolve_target("torchtune")
+
+
+@pytest.mark.distributed
+def test_the_pytest_helper_raises_with_the_table_and_passes_a_fix():
+    from experiments.audit import assert_gradient_matches
+
+    with pytest.raises(AssertionError, match=r"(?s)N=1 K=4: gradient x4 the global.*1 of 2 configurations"):
+        assert_gradient_matches("summed_accumulation", world_sizes=(1,), accumulations=(1, 4))
+    assert len(assert_gradient_matches("engine_divides_by_accumulation", world_sizes=(1,), accumulations=(1, 4))) == 2

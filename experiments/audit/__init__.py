@@ -40,23 +40,13 @@ from pathlib import Path
 
 import torch
 
-IGNORE_INDEX = -100
+from experiments.audit.contract import IGNORE_INDEX, AuditError, World, trained_tokens
+
 SEQ_LEN = 24
 MIN_SEQUENCES = 8
 TOLERANCE = 1e-4  # fp32 steps against a float64 reference, summed in another order: about 1e-6 off
 ALLOWED_SIZES = (1, 2, 4, 8)  # powers of two: one global batch divides into every layout
 ADAM_EPS = 1e-8  # the AdamW default the meaning of c is given for
-
-
-class AuditError(RuntimeError):
-    """Bad input to the audit: the message is one line, says what is wrong and what is allowed."""
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int
-    size: int  # N: ranks
-    accumulation: int  # K: micro-batches per rank and step
 
 
 @dataclass
@@ -133,10 +123,6 @@ def global_batch(vocab_size: int, sequences: int, seed: int = 0) -> tuple[torch.
     counts = [1 + round((top - 1) * ((half - 1 - i) / max(half - 1, 1)) ** 2) for i in range(half)] + [0] * half
     trained = torch.arange(SEQ_LEN)[None, :] >= SEQ_LEN - torch.tensor(counts)[:, None]
     return input_ids, torch.where(trained, input_ids, IGNORE_INDEX)
-
-
-def trained_tokens(labels: torch.Tensor) -> int:
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 def layout(counts: Sequence[int], world_size: int, accumulation: int) -> list[list[list[int]]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.audit import World
+from experiments.audit.contract import AuditError, World
 
 
 class KeepGradients(torch.optim.Optimizer):
@@ -109,8 +109,6 @@ def find_peer(module: str) -> bool:
         return False
     if (PEERS_DIR / top).is_dir():
         return True
-    from experiments.audit import AuditError
-
     raise AuditError(f"error: {top} is not installed: pip install -e '.[peers]' (or make peers)")
 
 

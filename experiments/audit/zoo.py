@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from experiments.audit import IGNORE_INDEX, World, trained_tokens
+from experiments.audit.contract import IGNORE_INDEX, World, trained_tokens
 
 PARALLEL_DEGREE = 2  # the tensor- / context-parallel size the over-counting entries assume
 
