@@ -52,12 +52,31 @@ def save(run_dir: Path, model, optimizer, state: LoopState, ranks: Ranks) -> Non
     os.replace(tmp, path)
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from: one line, naming the file and what to do."""
+
+
+def read(path: Path) -> dict:
+    """The checkpoint's contents, loaded with weights_only: tensors, numbers, strings and containers only, so a
+    file dropped into a shared run folder runs no code on resume."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message is a page; one of its lines names the object ("... unsupported GLOBAL posix.system ...")
+        found = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        what = found[0].rstrip(".") if found else "objects torch will not load as weights"
+        raise CheckpointError(f"error: {path}: refused, it holds more than tensors and numbers ({what}): loading it "
+                              "could run code; remove it to start this run afresh") from None
+
+
 def load(run_dir: Path, model, optimizer, ranks: Ranks) -> LoopState | None:
     """Restore the run's last checkpoint into model and optimizer; None when there is none."""
     path = run_dir / FILENAME
     if not path.exists():
         return None
-    saved = torch.load(path, map_location="cpu", weights_only=False)
+    saved = read(path)
     if ranks.real:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 

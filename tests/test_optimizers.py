@@ -22,7 +22,7 @@ def test_every_option_file_is_a_registry_entry_and_back():
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_each_entry_composes_validates_and_trains(name, cache_dir):
+def test_each_entry_composes_validates_and_trains(name, cache_dir, tmp_path):
     """Its yaml fills its dataclass; the scale rule names keys the config has; one step through the suite's
     own job builder; and the entry's adam_state says truly whether its state holds Adam's moments with an
     eps (what the adam/* metrics, the histograms and the advisor read)."""
@@ -46,6 +46,11 @@ def test_each_entry_composes_validates_and_trains(name, cache_dir):
     trained = [p for p in job.model.parameters() if p.requires_grad]
     expected = {"all": len(trained), "part": "some", None: 0}[entry.adam_state]
     assert (0 < len(covered) < len(trained) if expected == "some" else len(covered) == expected), name
+    # its state resumes through a checkpoint loaded with weights_only (no pickled objects in it)
+    from experiments import checkpoint
+
+    checkpoint.save(tmp_path, job.model, job.optimizer, checkpoint.LoopState(next_step=1), job.ranks)
+    assert checkpoint.load(tmp_path, job.model, job.optimizer, job.ranks).next_step == 1
 
 
 def test_an_unknown_name_is_an_error_everywhere():

@@ -148,3 +148,24 @@ def test_rewind_drops_later_records_and_a_torn_line(tmp_path):
     run_log.log({"step": 3, "train/loss": 2.0})
     run_log.finish({"status": "completed"})
     assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused_in_one_line_and_runs_nothing(tmp_path):
+    """Resuming loads with weights_only: a file dropped into a shared run folder cannot run code."""
+    import torch
+
+    from experiments.checkpoint import CheckpointError, read
+
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"model": {}, "loop": {"next_step": 3}, "payload": Payload()}, tmp_path / "checkpoint.pt")
+    with pytest.raises(CheckpointError) as refused:
+        read(tmp_path / "checkpoint.pt")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"error: {tmp_path / 'checkpoint.pt'}: refused")
+    assert "GLOBAL posix.system" in message and "remove it to start this run afresh" in message
+    assert not marker.exists()
