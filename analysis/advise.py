@@ -238,6 +238,24 @@ def _floats(text: str, key: str, integer: bool = False) -> list[float]:
     return values
 
 
+def check_options(world_sizes: str | None, scales: str | None, eps: float | None, json_file: Path | None,
+                  figure: Path | None) -> tuple[list[float], list[str]]:
+    """The multipliers and their labels from the flags, every flag checked (AdviseError, one line): before
+    python -m experiments.advise starts its reference run, and before this command reads one."""
+    from experiments.checks import output_file_problem
+
+    if eps is not None and not (math.isfinite(eps) and eps > 0):
+        raise AdviseError(f"error: --eps={eps!r} must be > 0")
+    for flag, path in (("--json", json_file), ("--figure", figure)):
+        if path is not None and (problem := output_file_problem(path)):
+            raise AdviseError(f"error: {flag}={str(path)!r} {problem}")
+    if scales:
+        values = _floats(scales, "--scales")
+        return values, [f"c={short_number(c)}" for c in values]
+    sizes = _floats(world_sizes or ",".join(map(str, DEFAULT_WORLD_SIZES)), "--world-sizes", integer=True)
+    return [1 / n for n in sizes], [f"N={n}" for n in sizes]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis.advise", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -254,14 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figure", type=Path, help="the figure's file (default RUN_DIR/advice.png)")
     args = parser.parse_args(argv)
     try:
-        if args.eps is not None and not (math.isfinite(args.eps) and args.eps > 0):
-            raise AdviseError(f"error: --eps={args.eps!r} must be > 0")
-        if args.scales:
-            scales = _floats(args.scales, "--scales")
-            labels = [f"c={short_number(c)}" for c in scales]
-        else:
-            sizes = _floats(args.world_sizes, "--world-sizes", integer=True)
-            scales, labels = [1 / n for n in sizes], [f"N={n}" for n in sizes]
+        scales, labels = check_options(args.world_sizes, args.scales, args.eps, args.json, args.figure)
         advice = advise(args.run_dir, scales, args.eps)
     except AdviseError as e:
         print(e, file=sys.stderr)

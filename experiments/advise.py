@@ -58,20 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="the run's config overrides (key=value), as for experiments.run")
     parser.add_argument("--world-sizes", help="comma-separated N: the bug's c = 1/N (default 2,4,...,4096)")
     parser.add_argument("--scales", help="comma-separated multipliers c instead, e.g. 1e-4,1e-5")
-    parser.add_argument("--eps", help="predict for this eps (default: the run's optimizer.eps)")
-    parser.add_argument("--json", help="also write every step's predictions to this file")
+    parser.add_argument("--eps", type=float, help="predict for this eps (default: the run's optimizer.eps)")
+    parser.add_argument("--json", type=Path, help="also write every step's predictions to this file")
     args = parser.parse_args(argv)
+    from analysis import advise
+
     try:
         overrides, run_dir = reference_overrides(args.overrides)
-    except AdviseError as e:
+        advise.check_options(args.world_sizes, args.scales, args.eps, args.json, None)  # before the run, not after
+    except (AdviseError, advise.AdviseError) as e:
         print(e, file=sys.stderr)
         return 2
     print(f"advise: the c = 1 reference fine-tune -> {run_dir}", flush=True)
     done = subprocess.run([sys.executable, "-m", "experiments.run", *overrides])
     if done.returncode != 0:
         return done.returncode  # the run said why, in one line
-    from analysis import advise
-
     options = [f"--{name.replace('_', '-')}={value}" for name, value in
                (("world_sizes", args.world_sizes), ("scales", args.scales), ("eps", args.eps), ("json", args.json))
                if value is not None]

@@ -4,6 +4,8 @@ the suite's own), so every config section, wherever it is defined, checks itself
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from hydra.errors import CompactHydraException
@@ -39,3 +41,16 @@ def one_of(key: str, value: Any, allowed) -> None:
 def override_key(override: str) -> str:
     """The key an override sets: `+optimizer.eps=1e-6` -> optimizer.eps, `~clip_grad_norm` -> clip_grad_norm."""
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def output_file_problem(path: Path | str) -> str | None:
+    """Why a command could not write this file at the end of its work, or None: checked before the work starts."""
+    path = Path(path)
+    folder = path.parent
+    if path.is_dir():
+        return "is a folder"
+    if not folder.is_dir():
+        return f"its folder {str(folder)!r} does not exist"
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return "is not writable"
+    return None

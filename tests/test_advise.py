@@ -158,3 +158,18 @@ def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
     refused = subprocess.run([*command[:3], "scale=8"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "scale=8 is not allowed" in refused.stderr
     assert np.isfinite(summary["final_loss"])
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--world-sizes", "8,abc"], "error: --world-sizes='8,abc' is not a comma-separated list of integers"),
+    (["--scales=-1"], "error: --scales='-1': every value must be > 0"),
+    (["--eps=0"], "error: --eps=0.0 must be > 0"),
+    (["--json", "/nonexistent/x.json"], "error: --json='/nonexistent/x.json' its folder '/nonexistent' does not exist"),
+])
+def test_experiments_advise_checks_its_flags_before_the_reference_run(tmp_path, args, says):
+    """Each bad flag: one line and exit 2 before the fine-tune, whose folder is never made."""
+    run_dir = tmp_path / "ref"
+    proc = subprocess.run([sys.executable, "-m", "experiments.advise", *TINY, f"hydra.run.dir={run_dir}", *args],
+                          cwd=ROOT, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == says and proc.stdout == ""
+    assert not run_dir.exists()

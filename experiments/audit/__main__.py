@@ -68,13 +68,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_json_path(path: Path) -> None:
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir() or not folder.is_dir():
-        raise AuditError(f"error: --json {path}: {'is a folder' if path.is_dir() else 'its folder does not exist'}")
-    import os
+    from experiments.checks import output_file_problem
 
-    if not os.access(folder, os.W_OK):
-        raise AuditError(f"error: --json {path}: its folder is not writable")
+    if problem := output_file_problem(path):
+        raise AuditError(f"error: --json {path}: {problem}")
 
 
 if __name__ == "__main__":
