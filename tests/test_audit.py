@@ -122,7 +122,8 @@ def test_a_bad_target_is_one_line_before_any_rank_starts():
     (["global_token_mean", "--world-sizes", "3"], "error: --world-sizes 3: each must be one of 1, 2, 4, 8"),
     (["global_token_mean", "--accumulation", "1,x"], "--accumulation 1,x: comma-separated integers"),
     (["global_token_mean", "--tolerance", "0"], "error: --tolerance 0.0: must be in (0, 1)"),
-    (["global_token_mean", "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: its folder '/nonexistent' does not exist"),
+    (["global_token_mean", "--json", "/nonexistent/x.json"],
+     "--json /nonexistent/x.json: its folder '/nonexistent' does not exist"),
 ])
 def test_the_command_refuses_bad_input_in_one_line_before_work(args, message):
     proc = subprocess.run([sys.executable, "-m", "experiments.audit", *args], cwd=ROOT, capture_output=True,
