@@ -1,4 +1,4 @@
-"""`python -m analysis.dashboard SWEEP_DIR --entity E [--project P] [--group G] [--dry-run] [--out FILE]
+"""`python -m analysis.dashboard SWEEP_DIR [--entity E] [--project P] [--group G] [--dry-run] [--out FILE]
 [--report] [--report-dir DIR] [--report-out FILE]`
 
 Builds the W&B workspace a reader of one sweep needs: loss by optimizer and scale, grad norm (the ratio between
@@ -259,7 +259,8 @@ def save_online(workspace, report, entity: str, project: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m analysis.dashboard", description=__doc__.split("\n\n")[1])
     parser.add_argument("sweep", type=Path, help="sweep folder (the hydra.sweep.dir of python -m experiments.run -m)")
-    parser.add_argument("--entity", required=True, help="W&B entity (user or team) that owns the project")
+    parser.add_argument("--entity", help="W&B entity (user or team) that owns the project; needed to save, not "
+                                         f"for --dry-run (whose specs then name {PLACEHOLDER_ENTITY!r})")
     parser.add_argument("--project", help="W&B project (default: the one the runs logged to, wandb.project)")
     parser.add_argument("--group", help="W&B group of the training runs (default: the one they logged under: "
                                         "wandb.group, else the sweep folder's name)")
@@ -275,8 +276,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+PLACEHOLDER_ENTITY = "ENTITY"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.entity is None and not args.dry_run:
+        print("error: --entity is needed to save to W&B (your user or team); --dry-run writes the specs without it",
+              file=sys.stderr)
+        return 2
+    args.entity = args.entity or PLACEHOLDER_ENTITY
     try:
         _import_wandb_workspaces()
         sweep = read_sweep(args.sweep, args.group, args.report_dir)

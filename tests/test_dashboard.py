@@ -224,3 +224,14 @@ def test_report_wandb_logging_is_skipped_when_the_environment_disables_wandb(tmp
     monkeypatch.setenv("WANDB_MODE", "disabled")
     log_to_wandb([tmp_path], tmp_path, [], "offline", "gradscale")
     assert "WANDB_MODE=disabled" in capsys.readouterr().err and not (tmp_path / "wandb").exists()
+
+
+def test_a_dry_run_needs_no_entity_and_saving_does_in_one_line(sweep, tmp_path, capsys):
+    from analysis.dashboard import main
+
+    out = tmp_path / "ws.json"
+    assert main([str(sweep), "--dry-run", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["entity"] == "ENTITY"
+    assert main([str(sweep)]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --entity is needed to save to W&B (your user or team); "
+                                               "--dry-run writes the specs without it")
