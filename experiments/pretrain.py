@@ -11,7 +11,8 @@ with AdamW on packed sequences, through the suite's own loop (`experiments.train
 The result is a checkpoint directory (weights, config, tokenizer, and the base's own `metrics.jsonl`:
 its loss curve) under the cache dir, named by a digest of everything it depends on: the architecture,
 `model.pretrain`, the corpus files' bytes, and the package versions. Deterministic for a seed on one
-machine; built on first use with progress lines; later runs load it (about half a second).
+machine (built on all its cores, whatever OMP_NUM_THREADS says); built on first use with progress lines;
+later runs load it (about half a second).
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ def prepare_weights(model_cfg) -> str | None:
 
 @contextlib.contextmanager
 def all_cores():
-    """A parallel sweep's other job waits on the build lock meanwhile: the build may use every core."""
+    """The build on every core, whatever OMP_NUM_THREADS or the process set: the thread count changes the
+    summation order, so a base built with 1 thread (a parallel sweep's jobs) and one with 2 (a single run) had
+    different bits under one cache key. A parallel sweep's other job waits on the build lock meanwhile."""
     import torch
 
     threads = torch.get_num_threads()
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(os.cpu_count() or 1)
     try:
         yield
     finally:

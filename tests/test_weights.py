@@ -158,7 +158,16 @@ def test_pretrained_base_is_cached_reused_and_deterministic(tmp_path, monkeypatc
 
     first = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'a'}"])).model
     again = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'b'}"])).model
-    a, b = pretrain.pretrained_base(first), pretrain.pretrained_base(again)
+    a = pretrain.pretrained_base(first)
+    # the second build inherits one thread (as a parallel sweep's job does): the same bytes all the same
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        b = pretrain.pretrained_base(again)
+        assert torch.get_num_threads() == 1  # given back to the process as it was
+    finally:
+        torch.set_num_threads(threads)
     assert a.name == b.name  # the same digest on the same machine
     weights_a, weights_b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
