@@ -178,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --wandb: the W&B project to log to (default: gradscale)")
     args = parser.parse_args(argv)
     out = args.out or args.sweeps[0] / "report"
+    from experiments.checks import ConfigError, check_writable
+
     try:
+        check_writable("--out", out)  # before the figures, not after them
         report, figures = write_report(args.sweeps, out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ConfigError) as e:
         print(str(e) if str(e).startswith("error:") else f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {report}")

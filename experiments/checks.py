@@ -54,3 +54,14 @@ def output_file_problem(path: Path | str) -> str | None:
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         return "is not writable"
     return None
+
+
+def check_writable(key: str, folder: Path) -> None:
+    """The folder exists and is writable, or can be created: its nearest existing ancestor is a writable
+    folder."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a folder" if not existing.is_dir() else "is not writable"
+        raise ConfigError(f"error: {key}={str(folder)!r} cannot be written: {existing} {what}")

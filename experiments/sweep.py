@@ -17,7 +17,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from experiments.checks import ConfigError, override_key
+from experiments.checks import ConfigError, check_writable, override_key
 from experiments.config import validate
 from experiments.probes import check_environment
 
@@ -46,17 +46,6 @@ class ValidateBeforeRun(Callback):
         if not is_rank_0 or is_finished(run_dir):  # a skipped run's provenance stays as it ran
             with open_dict(config.hydra):
                 config.hydra.output_subdir = None
-
-
-def check_writable(key: str, folder: Path) -> None:
-    """The folder exists and is writable, or can be created: its nearest existing ancestor is a writable
-    folder."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not a folder" if not existing.is_dir() else "is not writable"
-        raise ConfigError(f"error: {key}={str(folder)!r} cannot be written: {existing} {what}")
 
 
 # Keys that change nothing a run computes: a re-run sweep may set them differently.

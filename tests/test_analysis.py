@@ -329,6 +329,17 @@ def test_report_on_a_missing_folder_is_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} does not exist"
 
 
+def test_report_refuses_an_out_it_cannot_write_before_any_figure(tiny_sweep, tmp_path, capsys):
+    from analysis.report import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main([str(tiny_sweep), "--out", str(blocker / "report")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --out={str(blocker / 'report')!r} cannot be written: "
+                                               f"{blocker} is not a folder")
+    assert [p.name for p in tmp_path.iterdir()] == ["a_file"]  # nothing written
+
+
 @pytest.mark.parametrize("name", ["01_world_size_fix", "02_adam_invariance_breakdown"])
 def test_notebooks_execute_headless_on_a_tiny_sweep(tiny_sweep, tmp_path, name):
     import nbformat

@@ -23,12 +23,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
 
-from experiments.checks import ConfigError, override_key
+from experiments.checks import ConfigError, check_writable, override_key
 from experiments.config import validate
 from experiments.probes import check_environment
 from experiments.sweep import (
     check_same_sweep,
-    check_writable,
     folder_name_overrides,
     format_sweep_table,
     is_finished,
