@@ -25,7 +25,7 @@ from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import Config
-from experiments.hydra_glue import refuse_unknown_keys, register_configs, to_object
+from experiments.hydra_glue import refuse_unknown_keys, register_configs, to_object, unknown_option_problem
 
 register_configs()
 log = logging.getLogger("gradscale")
@@ -198,5 +198,8 @@ def main(cfg: DictConfig) -> str:
 
 
 if __name__ == "__main__":
+    if problem := unknown_option_problem(sys.argv[1:]):
+        print(problem, file=sys.stderr)
+        sys.exit(2)
     refuse_unknown_keys()
     main()

@@ -103,3 +103,4 @@ def test_each_data_file_is_read_once_while_it_stays_the_same(tmp_path, monkeypat
     with pytest.raises(ConfigError, match="line 4 is not JSON"):
         config.validate(compose([*TINY, "data=jsonl", f"data.path={path}"]), overrides=[])
     assert len(reads) == 2
+
