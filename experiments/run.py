@@ -198,6 +198,8 @@ def main(cfg: DictConfig) -> str:
 
 
 if __name__ == "__main__":
+    if not sys.stderr.isatty():  # progress bars in a log file are one line of carriage returns
+        os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when it is imported, which comes later
     if problem := unknown_option_problem(sys.argv[1:]):
         print(problem, file=sys.stderr)
         sys.exit(2)

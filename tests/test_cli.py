@@ -47,6 +47,8 @@ def test_default_sweep_command_runs_four_complete_jobs(cli, tmp_path):
     # the sweep ends with a table of its runs
     assert "overrides" in proc.stdout and proc.stdout.count("completed") >= 4
     assert "optimizer=adamw scale=8" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("figures and report.md: python -m analysis.report ")
+    assert "\r" not in proc.stdout + proc.stderr and "%|" not in proc.stderr  # no progress bars in a log
 
 
 @pytest.mark.slow

@@ -119,7 +119,8 @@ class GradscaleSweeper(BasicSweeper):
                 raise SweepFailed("error: a job of this sweep failed on this rank; see its run.rankN.log")
             return returns
         rows = sweep_runs(sweep_dir)
-        print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}", flush=True)
+        print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}\n"
+              f"figures and report.md: python -m analysis.report {sweep_dir}", flush=True)
         failed = [r for r in rows if r["status"] not in ("completed", "diverged")]
         if returns is None or failed:
             print(f"error: {len(failed)} of {len(rows)} runs did not complete; see {sweep_dir}/*/run.log",
