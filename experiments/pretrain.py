@@ -27,8 +27,14 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def pretrained_base(model_cfg) -> Path:
-    """The base's checkpoint directory (weights.base_dir), built first if it is not cached."""
+# A run builds a missing base only when that takes less than this (measured on a step first); a longer build is
+# asked for explicitly: python -m experiments.pretrain.
+LONGEST_UNASKED_BUILD_S = 300
+
+
+def pretrained_base(model_cfg, asked: bool = False) -> Path:
+    """The base's checkpoint directory (weights.base_dir), built first if it is not cached. asked: the user
+    asked for the build itself (python -m experiments.pretrain), so a long one goes ahead."""
     from experiments.cache import build_lock
     from experiments.weights import base_dir
 
@@ -37,7 +43,7 @@ def pretrained_base(model_cfg) -> Path:
         return target
     with build_lock(target):
         if not (target / "config.json").is_file():
-            build_base(model_cfg, target)
+            build_base(model_cfg, target, None if asked else LONGEST_UNASKED_BUILD_S)
     return target
 
 
@@ -66,8 +72,32 @@ def all_cores():
         torch.set_num_threads(threads)
 
 
-def build_base(model_cfg, target: Path) -> None:
-    """Pretrain the base through the suite's own job builder and loop, on one device."""
+def seconds_per_step(net, batches, lr: float) -> float:
+    """One pretraining step (forward, backward, AdamW) of a copy of net, timed after one warm-up step."""
+    import copy
+    import time
+
+    import torch
+
+    from experiments.grads import token_losses
+
+    trial = copy.deepcopy(net)
+    optimizer = torch.optim.AdamW(trial.parameters(), lr=lr)
+    took = []
+    with all_cores():
+        for step in range(2):
+            started = time.perf_counter()
+            inputs, targets = batches.train_batch(step)
+            token_losses(trial(input_ids=inputs).logits, targets).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            took.append(time.perf_counter() - started)
+    return took[-1]
+
+
+def build_base(model_cfg, target: Path, longest_s: float | None = None) -> None:
+    """Pretrain the base through the suite's own job builder and loop, on one device. longest_s: refuse (one
+    line naming the command that builds it) when the measured estimate is longer."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -100,6 +130,17 @@ def build_base(model_cfg, target: Path) -> None:
              pre.steps * pre.batch_size / len(split[0]))
 
     net = model.build_model(model_cfg, pre.seed, torch.device("cpu"))  # the seeded random init
+    step_s = seconds_per_step(net, batches, pre.lr)
+    estimate = step_s * pre.steps * 1.1  # and its evals
+    shape = (f"hidden {model_cfg.hidden_size}, {model_cfg.num_hidden_layers} layers, "
+             f"{sum(p.numel() for p in net.parameters()) / 1e6:.2f}M parameters")
+    if longest_s is not None and estimate > longest_s:
+        raise weights.WeightsError(
+            f"error: the pretrained base for model={model_cfg.name} ({shape}) is not built and would take about "
+            f"{estimate / 60:.0f} min here ({pre.steps} steps at {step_s:.2f} s, measured): build it first with "
+            "python -m experiments.pretrain and the same model overrides, or start from model.init=random")
+    log.info("building the base (%s): about %.0f s (%d steps at %.3f s, measured)", shape, estimate, pre.steps,
+             step_s)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True)
     run_log = RunLog(tmp, WandbConfig(mode="disabled"), name="pretrain", group=None, tags=[], config={})
@@ -167,7 +208,7 @@ def main(argv: list[str]) -> int:
         print("error: model.init=pretrained builds the suite's own base; this model loads its weights from "
               "model.path or model.gguf_file", file=sys.stderr)
         return 2
-    print(pretrained_base(model_cfg))
+    print(pretrained_base(model_cfg, asked=True))
     return 0
 
 

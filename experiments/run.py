@@ -174,9 +174,10 @@ def run_folder_job(cfg: DictConfig, hydra_cfg, is_main: bool) -> str:
         summary["error"] = str(e)
         raise
     except Exception as e:
-        log.exception("run failed")
+        said = str(e).startswith("error:")  # a one-line refusal of the suite's own: no traceback to add
+        log.error("run failed: %s", e) if said else log.exception("run failed")
         summary["error"] = f"{type(e).__name__}: {e}"
-        message = str(e) if str(e).startswith("error:") else f"error: run failed: {type(e).__name__}: {e}"
+        message = str(e) if said else f"error: run failed: {type(e).__name__}: {e}"
         if not multirun:  # one line and a non-zero exit (Hydra would add a hint line); the summary still lands
             print(f"{message} ({run_dir})", file=sys.stderr, flush=True)
             sys.exit(1)

@@ -197,3 +197,18 @@ def test_corpus_leaves_out_the_fine_tune_text():
 
     files = data.stdlib_files()
     assert files and not any("pydoc_data" in p.parts or "test" in p.parts for p in files)
+
+
+def test_a_base_longer_to_build_than_a_run_may_start_unasked_is_refused_with_the_command(tmp_path, monkeypatch):
+    """The build is timed on a step first; past the limit a run gets one line, and nothing is built."""
+    from experiments import pretrain, weights
+    from experiments.hydra_glue import to_object
+
+    model_cfg = to_object(compose([*BASE, f"model.cache_dir={tmp_path}"])).model
+    monkeypatch.setattr(pretrain, "LONGEST_UNASKED_BUILD_S", 1e-3)
+    with pytest.raises(weights.WeightsError) as refused:
+        pretrain.pretrained_base(model_cfg)
+    message = str(refused.value)
+    assert message.startswith("error: the pretrained base for model=llama3_2_tiny (hidden 64, ") and "\n" not in message
+    assert "steps at" in message and "python -m experiments.pretrain" in message and "model.init=random" in message
+    assert not any((tmp_path / "models").glob("base-*/config.json"))
