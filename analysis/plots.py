@@ -197,7 +197,8 @@ def _panel_note(series: list[pd.Series]) -> str | None:
     verdicts = {_same(series[0], other) for other in series[1:]}
     if None in verdicts:
         return None
-    return f"all {len(series)} lines {'≈ equal' if '≈' in verdicts else 'identical'}"
+    lines = "both lines" if len(series) == 2 else f"all {len(series)} lines"
+    return f"{lines} {'≈ equal' if '≈' in verdicts else 'identical'}"
 
 
 def _label(r, runs: pd.DataFrame) -> str:
@@ -273,7 +274,9 @@ def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
         if line is not None:
             plot.axes[r.setup].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8, gid="predicted")
     predicted = Line2D([], [], color="0.3", ls=":", lw=0.8, label="dotted: c_eff (predicted ratio)")
-    return plot.finish("step", "ratio", extra_handles=[predicted])
+    parted = Line2D([], [], ls="", label="a line that leaves its dotted c_eff: the two runs' weights\n"
+                                         "have parted (SGD moves with c_eff), not a scaling error")
+    return plot.finish("step", "ratio", extra_handles=[predicted, parted])
 
 
 def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[float, float]] | None = None,
@@ -475,7 +478,10 @@ def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
         plot.draw("update RMS", curve(curves, r.run, UPDATE_RMS), label)
     fig = plot.finish("step", "")
     share_ax, rms_ax = plot.axes.values()
-    share_ax.set_ylabel("share with sqrt(v_hat) < eps")
+    shares = [s.max() for (key, _), s in plot.drawn.items() if key == "eps-dominated share"]
+    share_ax.set_ylim(0, max(0.01, 1.1 * max(shares, default=0)))  # a flat 0 reads as 0%, not 0.00000..0.00020
+    share_ax.yaxis.set_major_formatter(ticker.PercentFormatter(1.0, decimals=None))
+    share_ax.set_ylabel("coordinates with sqrt(v_hat) < eps")
     rms_ax.set(ylabel="update RMS", yscale="log")
     plain_ticks(rms_ax)
     return fig

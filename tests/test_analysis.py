@@ -103,6 +103,18 @@ def test_curve_plots(maker, n_axes):
     if maker is plots.grad_norm_ratio:
         ratio = axes[0].get_lines()[0].get_ydata()
         assert np.allclose(ratio, 8.0)  # flat at exactly c_eff
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert any("have parted" in t and "not a scaling error" in t for t in legend)  # why SGD's line wobbles
+    if maker is plots.adam_state:  # the share in percent, from 0, at least to 1%: a flat 0 reads as 0%
+        share = axes[0]
+        assert share.get_ylim()[0] == 0 and share.get_ylim()[1] >= 0.01
+        assert isinstance(share.yaxis.get_major_formatter(), matplotlib.ticker.PercentFormatter)
+
+
+def test_a_panel_of_two_coinciding_lines_says_both():
+    same = pd.Series([1.0, 2.0, 3.0])
+    assert plots._panel_note([same, same.copy()]) == "both lines identical"
+    assert plots._panel_note([same, same.copy(), same.copy()]) == "all 3 lines identical"
 
 
 def test_breakdown_heatmap_and_lr_axis():
