@@ -247,9 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eps", type=float, help="N_1%% for this eps (default: each run's)")
     parser.add_argument("--out", type=Path, help="output folder (default: the first sweep's report/)")
     args = parser.parse_args(argv)
+    out = args.out or args.sweeps[0] / "report"
+    from experiments.checks import ConfigError, check_writable
+
     try:
         if args.eps is not None and not (math.isfinite(args.eps) and args.eps > 0):
             raise AdviseError(f"error: --eps={args.eps!r} must be > 0")
+        try:
+            check_writable("--out", out)  # before reading the runs, not after the fits
+        except ConfigError as e:
+            raise AdviseError(str(e)) from None
         table = collect(args.sweeps, args.eps)
         points = pd.DataFrame([measure(p, args.eps) for p in args.point]) if args.point else None
         if points is not None:
@@ -258,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     fitted = fits(table)
-    out = args.out or args.sweeps[0] / "report"
     out.mkdir(parents=True, exist_ok=True)
     text = format_tables(table if points is None else pd.concat([table, points]), fitted)
     print(text)

@@ -112,6 +112,14 @@ class ModelConfig:
             check(isinstance(lr, (int, float)) and lr > 0, f"model.recommended.lr.{name}", lr, "a number > 0")
         check(not (self.path and self.gguf_file), "model.gguf_file", self.gguf_file,
                "must be null when model.path is set (one source of weights)")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            int_at_least(f"model.{key}", getattr(self, key), 1)
+        check(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", self.hidden_size,
+              f"a multiple of model.num_attention_heads={self.num_attention_heads} (transformers' rule)")
+        check(self.num_attention_heads % self.num_key_value_heads == 0, "model.num_key_value_heads",
+              self.num_key_value_heads, f"must divide model.num_attention_heads={self.num_attention_heads}")
+        finite_positive("model.rms_norm_eps", self.rms_norm_eps)
         if self.init == "pretrained" and not (self.path or self.gguf_file):
             PretrainConfig.check(self.pretrain, self.max_position_embeddings)
 

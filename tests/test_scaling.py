@@ -80,3 +80,8 @@ def test_bad_input_is_one_line(tmp_path):
         f"histograms in {tmp_path}"
     proc = analysis_cli(str(tmp_path), "--eps", "-1")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --eps=-1.0 must be > 0"
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = analysis_cli(str(tmp_path), "--out", str(blocker / "report"))  # checked before the runs are read
+    assert proc.returncode == 2 and proc.stderr.strip() == (f"error: --out={str(blocker / 'report')!r} cannot be "
+                                                            f"written: {blocker} is not a folder")

@@ -212,3 +212,25 @@ def test_a_base_longer_to_build_than_a_run_may_start_unasked_is_refused_with_the
     assert message.startswith("error: the pretrained base for model=llama3_2_tiny (hidden 64, ") and "\n" not in message
     assert "steps at" in message and "python -m experiments.pretrain" in message and "model.init=random" in message
     assert not any((tmp_path / "models").glob("base-*/config.json"))
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["model=bogus"], "error: model=bogus is not allowed: one of llama3_2_1b, llama3_2_3b, llama3_2_tiny, smollm2"),
+    (["model.hidden_size=-1"], "error: model.hidden_size=-1 is not allowed: must be an integer >= 1"),
+    (["model.hidden_size=100", "model.num_attention_heads=3"], "error: model.hidden_size=100 is not allowed: a "
+                                                               "multiple of model.num_attention_heads=3"),
+    (["nope=1"], "error: nope is not a config key"),
+    (["model.hidden_size=abc"], "error: Error merging override model.hidden_size=abc: Value 'abc'"),
+    (["model.pretrain.steps=0"], "error: model.pretrain.steps=0 is not allowed: must be an integer >= 1"),
+])
+def test_experiments_pretrain_refuses_bad_overrides_in_one_line_before_building(tmp_path, args, says):
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import OFFLINE_ENV, ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "experiments.pretrain", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(tmp_path)})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(says)
+    assert not (tmp_path / "models").exists()
