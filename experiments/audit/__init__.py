@@ -15,7 +15,7 @@ A target is a step function, a built-in adapter around a framework's own trainin
   It returns the grad norm it would log, or None.
 
 The audit runs the step on N real gloo ranks and K micro-batches of accumulation, on one fixed global batch that
-is ragged on purpose (trained-token counts differ across ranks and micro-batches, and wherever N or K > 1 one
+is ragged on purpose (trained-token counts differ across ranks and micro-batches, and wherever N or K > 1 at least one
 micro-batch has no trained token), and compares what each rank holds with the one-process reference gradient of
 the global token-mean loss (in float64): the fitted multiplier c, the same per tensor group, the residual that
 no multiplier explains, and the logged norm over the gradient's own.
@@ -101,8 +101,9 @@ def resolve_target(spec: str) -> Callable:
     module_name, _, function_name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise AuditError(f"error: target {spec!r}: cannot import {module_name!r} ({e})") from None
+    except Exception as e:  # ImportError, or the module's own error (a SyntaxError) while importing it
+        raise AuditError(f"error: target {spec!r}: cannot import {module_name!r} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
     step = getattr(module, function_name, None)
     if not callable(step):
         raise AuditError(f"error: target {spec!r}: {module_name!r} has no function {function_name!r}")
@@ -180,6 +181,13 @@ def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[f
     def flat(g: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([g[n].double().flatten() for n in reference])
 
+    for g in grads:
+        if set(g) != set(reference):
+            changed = sorted(set(g) ^ set(reference))[:3]
+            result.reasons.append(f"the step changed the model's parameters ({', '.join(changed)}, ...): the audit "
+                                  "compares the gradients of the model it hands over, in place")
+            return result
+
     ref = flat(reference)
     per_rank = [flat(g) for g in grads]
     for rank, g in enumerate(per_rank):
@@ -212,12 +220,14 @@ def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[f
     if result.replica_spread > tolerance:
         result.reasons.append(f"ranks hold different gradients (spread {result.replica_spread:.2g})")
     groups_differ = any(abs(c / result.c - 1) > tolerance for c in result.group_c.values()) if result.c else False
+    scaled = ", ".join(f"{g} x{c:.6g}" for g, c in sorted(result.group_c.items(), key=lambda x: -abs(x[1] - 1)))
     if groups_differ and max(group_residuals.values()) <= tolerance:  # each group scaled, by its own factor
-        scaled = ", ".join(f"{g} x{c:.6g}" for g, c in sorted(result.group_c.items(), key=lambda x: -abs(x[1] - 1)))
         result.reasons.append(f"tensor groups scaled unequally: {scaled}")
     elif result.residual > tolerance:
         result.reasons.append(f"residual {result.residual:.2g}: tokens weighted unequally (per-rank or "
                               "per-micro-batch means?)")
+    elif groups_differ:  # a small group off, too small to move the overall residual past the tolerance
+        result.reasons.append(f"tensor groups differ: {scaled}")
     elif abs(result.c - 1) > tolerance:
         result.reasons.append(f"gradient x{result.c:.6g} the global token-mean's")
     ratio = result.logged_over_true
@@ -296,6 +306,10 @@ def _rank_main(rank: int, world_size: int, port: int, jobs: list[tuple[str, int]
     dist.destroy_process_group()
 
 
+def all_saved(launch_dir: Path, job: tuple[str, int], n: int) -> bool:
+    return all((launch_dir / f"{job_key(*job)}-rank{r}.pt").exists() for r in range(n))
+
+
 def job_key(target: str, k: int) -> str:
     return f"{''.join(ch if ch.isalnum() else '_' for ch in target)}-k{k}"
 
@@ -351,15 +365,24 @@ def audit_many(targets: Sequence[str], world_sizes: Sequence[int] = (1, 2, 4), a
                     mp.spawn(_rank_main, args=(n, _free_port(), pending, str(launch_dir), timeout_s),
                              nprocs=n, join=True)
                 except Exception as e:  # a step raised (its error file says why) or a rank died
-                    done = [j for j in pending if (launch_dir / f"{job_key(*j)}-rank0.pt").exists()]
-                    if len(done) == len(pending):  # every step saved; a rank failed only at teardown
+                    done = 0  # the jobs every rank saved, in order
+                    while done < len(pending) and all_saved(launch_dir, pending[done], n):
+                        done += 1
+                    if done == len(pending):  # every step saved; a rank failed only at teardown
                         break
-                    first = pending[len(done)]
+                    first = pending[done]
                     # the first rank to fail says why; its peers only saw it go
                     errors = sorted(launch_dir.glob(f"{job_key(*first)}-rank*.error"), key=lambda f: f.stat().st_mtime)
                     failures[first] = (errors[0].read_text() if errors else
                                        (str(e).strip().splitlines() or [type(e).__name__])[-1])
-                    pending = pending[len(done) + 1:]
+                    if errors:  # its traceback, from the rank's log (the folder goes when the audit ends)
+                        rank_log = launch_dir / f"rank{errors[0].stem.rsplit('rank', 1)[1]}.log"
+                        tail = rank_log.read_text(errors="replace").strip().splitlines()[-8:]
+                        say(f"  {first[0]} (K = {first[1]}) failed on {errors[0].stem.rsplit('-', 1)[1]}:\n    "
+                            + "\n    ".join(tail))
+                    for r in range(n):  # a partial save of the failed job is not a result
+                        (launch_dir / f"{job_key(*first)}-rank{r}.pt").unlink(missing_ok=True)
+                    pending = pending[done + 1:]
                     continue
                 pending = []
             for t in targets:
@@ -383,6 +406,8 @@ def audit_many(targets: Sequence[str], world_sizes: Sequence[int] = (1, 2, 4), a
 def check_grid(world_sizes: Sequence[int], accumulations: Sequence[int], tolerance: float) -> None:
     for flag, values in (("--world-sizes", world_sizes), ("--accumulation", accumulations)):
         bad = [v for v in values if v not in ALLOWED_SIZES]
+        if len(set(values)) < len(values):
+            raise AuditError(f"error: {flag} {','.join(map(str, values))}: each value once")
         if bad or not values:
             raise AuditError(f"error: {flag} {','.join(map(str, values))}: each must be one of "
                              f"{', '.join(map(str, ALLOWED_SIZES))}")
@@ -436,10 +461,19 @@ def as_json(target: str, results: list[Result], tolerance: float) -> dict:
         row = asdict(r)
         row["logged_over_true"] = r.logged_over_true
         row["meaning"] = meaning(r.c) if is_uniform_multiplier(r, tolerance) else None
-        rows.append({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()})
+        rows.append(_finite_or_none(row))
     return {"target": target, "tolerance": tolerance, "seq_len": SEQ_LEN,
             "reference": "one-process float64 gradient of the global token-mean loss", "results": rows,
             "ok": all(r.ok for r in results)}
+
+
+def _finite_or_none(value):
+    """JSON has no NaN or inf: None in their place, at any depth."""
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def assert_gradient_matches(target: str, world_sizes: Sequence[int] = (1, 2, 4),

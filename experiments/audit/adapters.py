@@ -67,7 +67,7 @@ def _run_trainer(trainer_class, model, micro_batches, args) -> float | None:
     optimizer = KeepGradients(model.parameters())
     trainer = OnTheseBatches(model=model, args=args, train_dataset=_stand_in(micro_batches),
                              optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
-                             callbacks=[KeepLogs()], **_processing_class(trainer_class))
+                             callbacks=[KeepLogs()], **_processing_class(trainer_class, model))
     trainer.train()
     for p in model.parameters():
         p.grad = optimizer.kept.get(p)
@@ -83,19 +83,17 @@ def _stand_in(micro_batches):
                               for key in micro_batches[0]})
 
 
-def _processing_class(trainer_class) -> dict:
+def _processing_class(trainer_class, model) -> dict:
     """TRL's trainers insist on a tokenizer (for padding); the batches are tokenized already."""
     if trainer_class.__module__.startswith("transformers"):
         return {}
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(TOKENIZER_VOCAB)}
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}  # a word per id: any id the batch holds
     return {"processing_class": PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")),
                                                         pad_token="t0", eos_token="t1")}
 
-
-TOKENIZER_VOCAB = 2048  # the tiny model's
 
 
 def find_peer(module: str) -> bool:
@@ -215,8 +213,6 @@ def _torchtune_recipe(model, micro_batches, world: World) -> float | None:
         _profiler=training.DummyProfiler(), profiler_profile_memory=False, profiler_wait_steps=0,
         profiler_warmup_steps=0, profiler_active_steps=0,
         _checkpoint_client=type("NoCheckpoint", (), {"save_checkpoint": lambda self, **kwargs: None})())
-    for mb in recipe._dataloader:  # torchtune's batches: the model's inputs and labels, nothing else
-        mb["input_ids"] = mb.pop("input_ids")
     cleanup = training.cleanup_before_training
     training.cleanup_before_training = lambda: None  # it calls torch.cpu.empty_cache, which torch does not have
     try:

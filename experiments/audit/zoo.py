@@ -154,7 +154,7 @@ def summed_accumulation(model, micro_batches, world: World) -> float:
 
 
 def _shard(grad: torch.Tensor, world: World) -> torch.Tensor:
-    return grad.flatten().chunk(world.size)[world.rank] if grad.numel() >= world.size else grad.flatten()[:0]
+    return grad.flatten().tensor_split(world.size)[world.rank]  # N parts, some empty when a tensor is small
 
 
 def _summed_over_ranks_then_divided(model, micro_batches, world: World, divide_experts: bool) -> None:
