@@ -38,6 +38,15 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group of spawned ranks (the parity oracle, the audit)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Callable
@@ -132,24 +131,18 @@ def _rank_main(rank, world_size, port, strategy, grad_accum, out_dir, child_setu
     parallel.finish()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_parity(world_size: int = 2, strategy: str = "ddp", grad_accum: int = 2,
                child_setup: Callable[[], None] | None = None) -> list[Row]:
     """child_setup runs first in every rank process (it must be picklable: a module-level function)."""
     import torch.multiprocessing as mp
 
     from experiments.job import build_model
-    from experiments.parallel import Ranks
+    from experiments.parallel import Ranks, free_port
 
     cfg = _config(world_size, grad_accum)
     reference_model = build_model(cfg, torch.device("cpu"), Ranks(world_size=1))
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_rank_main, args=(world_size, _free_port(), strategy, grad_accum, out_dir, child_setup),
+        mp.spawn(_rank_main, args=(world_size, free_port(), strategy, grad_accum, out_dir, child_setup),
                  nprocs=world_size, join=True)
         rows = []
         for case in CASES:

@@ -175,7 +175,10 @@ def run_folder_job(cfg: DictConfig, hydra_cfg, is_main: bool) -> str:
         raise
     except Exception as e:
         said = str(e).startswith("error:")  # a one-line refusal of the suite's own: no traceback to add
-        log.error("run failed: %s", e) if said else log.exception("run failed")
+        if said:
+            log.error("run failed: %s", e)
+        else:
+            log.exception("run failed")
         summary["error"] = f"{type(e).__name__}: {e}"
         message = str(e) if said else f"error: run failed: {type(e).__name__}: {e}"
         if not multirun:  # one line and a non-zero exit (Hydra would add a hint line); the summary still lands

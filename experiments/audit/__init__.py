@@ -29,7 +29,6 @@ import importlib
 import logging
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -46,7 +45,6 @@ SEQ_LEN = 24
 MIN_SEQUENCES = 8
 TOLERANCE = 1e-4  # fp32 steps against a float64 reference, summed in another order: about 1e-6 off
 ALLOWED_SIZES = (1, 2, 4, 8)  # powers of two: one global batch divides into every layout
-ADAM_EPS = 1e-8  # the AdamW default the meaning of c is given for
 
 
 @dataclass
@@ -238,10 +236,14 @@ def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[f
     return result
 
 
-def meaning(c: float, eps: float = ADAM_EPS, by: float = 0.1) -> str:
+def meaning(c: float, eps: float | None = None, by: float = 0.1) -> str:
     """What a uniform multiplier c does: SGD's lr times c; AdamW's update per coordinate times
-    (s + eps) / (s + eps / c), off by more than `by` where sqrt(v_hat) = s is below the threshold."""
+    (s + eps) / (s + eps / c), off by more than `by` where sqrt(v_hat) = s is below the threshold (eps: AdamW's
+    default unless given)."""
     from analysis.theory import departure_threshold
+    from experiments.optimizers.adamw import AdamWConfig
+
+    eps = AdamWConfig().eps if eps is None else eps
 
     sgd = f"SGD: the lr is in effect x{c:.4g}"
     threshold = departure_threshold(c, eps, by)
@@ -255,12 +257,6 @@ def meaning(c: float, eps: float = ADAM_EPS, by: float = 0.1) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Running it: one launch of N real ranks per world size, every accumulation inside it
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world_size: int, port: int, jobs: list[tuple[str, int]], work: str,
@@ -334,6 +330,7 @@ def audit_many(targets: Sequence[str], world_sizes: Sequence[int] = (1, 2, 4), a
 
     from experiments.hydra_glue import compose, to_object
     from experiments.model import build_model
+    from experiments.parallel import free_port
 
     check_grid(world_sizes, accumulations, tolerance)
     for target in targets:
@@ -362,7 +359,7 @@ def audit_many(targets: Sequence[str], world_sizes: Sequence[int] = (1, 2, 4), a
             failures: dict[tuple[str, int], str] = {}
             while pending:
                 try:
-                    mp.spawn(_rank_main, args=(n, _free_port(), pending, str(launch_dir), timeout_s),
+                    mp.spawn(_rank_main, args=(n, free_port(), pending, str(launch_dir), timeout_s),
                              nprocs=n, join=True)
                 except Exception as e:  # a step raised (its error file says why) or a rank died
                     done = 0  # the jobs every rank saved, in order
@@ -484,7 +481,3 @@ def assert_gradient_matches(target: str, world_sizes: Sequence[int] = (1, 2, 4),
     if not all(r.ok for r in results):
         raise AssertionError("\n" + report(target, results, tolerance))
     return results
-
-
-def main_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -16,7 +16,6 @@ from experiments.audit import (
     audit,
     builtin_targets,
     check_grid,
-    main_progress,
     report,
     resolve_target,
 )
@@ -31,6 +30,10 @@ def sizes(flag: str):
                                              f"{', '.join(map(str, ALLOWED_SIZES))}") from None
         return values
     return parse
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     except AuditError as e:
         print(e, file=sys.stderr)
         return 2
-    results = audit(args.target, args.world_sizes, args.accumulation, args.tolerance, progress=main_progress)
+    results = audit(args.target, args.world_sizes, args.accumulation, args.tolerance, progress=progress)
     print(report(args.target, results, args.tolerance))
     if args.json is not None:
         args.json.write_text(json.dumps(as_json(args.target, results, args.tolerance), indent=1) + "\n")
