@@ -18,13 +18,14 @@ import argparse
 import json
 import re
 import sys
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
-from analysis.load import read_jsonl, run_dirs
+from analysis.load import logged_group, read_jsonl, run_dirs
 from experiments.frequency import BUCKETS
 from experiments.metrics import write_text_atomic
 from experiments.records import (
@@ -94,18 +95,6 @@ def read_sweep(path: Path, group: str | None = None, report_dir: Path | None = N
     tables, figures = read_report_md((report_dir or path / "report") / "report.md")
     return Sweep(path, runs, group, str(configs[0]["wandb"]["project"]), logged, grouping_keys(configs), figures,
                  tables)
-
-
-def logged_group(run_dir: Path, config: dict) -> str | None:
-    """The W&B group experiments.run gave this run: wandb.group, else (in a sweep) the sweep folder's name."""
-    if config["wandb"].get("group"):
-        return str(config["wandb"]["group"])
-    hydra = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra, resolve=False)
-    if hydra.get("mode") != "MULTIRUN":
-        return None
-    sweep_dir = str(hydra["sweep"]["dir"])
-    # an unresolved ${now:...} was resolved once, at launch, into the folder the job sits in
-    return run_dir.parent.name if "${" in sweep_dir else Path(sweep_dir).name
 
 
 def grouping_keys(configs: list[dict]) -> list[str]:
@@ -185,6 +174,14 @@ def _panel(wr, kind: str, metric: str, log_y: bool):
     return wr.BarPlot(title=f"last {metric}", metrics=[metric])
 
 
+def view_name(text: str) -> str:
+    """A workspace or report name W&B accepts: at most 128 characters, and none of the symbol categories
+    wandb-workspaces refuses as emoji (math symbols included: `=` reads `:`, `+` and `~` are dropped)."""
+    symbols = ("So", "Sk", "Sm", "Sc", "Cs")
+    text = text.replace("=", ":")
+    return "".join(c for c in text if not unicodedata.category(c).startswith(symbols))[:128]
+
+
 def run_filters(ws, group: str, job_type: str):
     """This sweep's runs of one job type: training runs (experiments.run) or the analysis run (analysis.report)."""
     return ws.And(ws.Metric("Group") == group, ws.Metric("JobType") == job_type)
@@ -195,7 +192,7 @@ def build_workspace(sweep: Sweep, entity: str, project: str):
     sections = [ws.Section(name=name, panels=made, is_open=True, panel_settings=ws.SectionPanelSettings(x_axis=STEP))
                 for name, made in panels(sweep)]
     return ws.Workspace(
-        entity=entity, project=project, name=f"gradscale {sweep.group}"[:128], sections=sections,
+        entity=entity, project=project, name=view_name(f"gradscale {sweep.group}"), sections=sections,
         settings=ws.WorkspaceSettings(x_axis=STEP, max_runs=max(10, len(sweep.runs))),  # every run, not W&B's 10
         runset_settings=ws.RunsetSettings(filters=run_filters(ws, sweep.group, "train"),
                                           groupby=[ws.Config(key) for key in sweep.groupby]),
@@ -215,9 +212,8 @@ def build_report(sweep: Sweep, entity: str, project: str, *, name_project: bool)
         wr.H2(text="Curves"),
         wr.PanelGrid(runsets=[train_runs], panels=[p for _, made in panels(sweep) for p in made]),
     ]
-    if sweep.figures:  # analysis.report --wandb groups its run by the folder's name (not wandb.group)
-        analysis_run = wr.Runset(name="analysis run", filters=run_filters(ws, sweep.path.resolve().name, "analysis"),
-                                 **where)
+    if sweep.figures:  # analysis.report --wandb logs its run in the training runs' group
+        analysis_run = wr.Runset(name="analysis run", filters=run_filters(ws, sweep.group, "analysis"), **where)
         blocks += [
             wr.H2(text="Figures"),
             wr.PanelGrid(runsets=[analysis_run], panels=[wr.MediaBrowser(title=name, media_keys=[f"figures/{name}"])
@@ -225,7 +221,7 @@ def build_report(sweep: Sweep, entity: str, project: str, *, name_project: bool)
         ]
     if sweep.tables is not None:
         blocks.append(wr.MarkdownBlock(text=sweep.tables))
-    return wr.Report(entity=entity, project=project, title=f"gradscale sweep {sweep.group}"[:128],
+    return wr.Report(entity=entity, project=project, title=view_name(f"gradscale sweep {sweep.group}"),
                      description="Curves, figures and tables of one sweep (python -m analysis.dashboard --report)",
                      blocks=blocks)
 

@@ -136,6 +136,20 @@ def run_names(dirs: list[Path]) -> list[str]:
     return names
 
 
+def logged_group(run_dir: Path, config: dict) -> str | None:
+    """The W&B group experiments.run gave this run: wandb.group (in a sweep, the sweeper names it:
+    experiments.sweep.wandb_group), else, for a sweep run before that, the sweep folder's name; None: a single
+    run. config: the run's .hydra/config.yaml as a dict."""
+    if config["wandb"].get("group"):
+        return str(config["wandb"]["group"])
+    hydra = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "hydra.yaml").hydra, resolve=False)
+    if hydra.get("mode") != "MULTIRUN":
+        return None
+    sweep_dir = str(hydra["sweep"]["dir"])
+    # an unresolved ${now:...} was resolved once, at launch, into the folder the job sits in
+    return run_dir.parent.name if "${" in sweep_dir else Path(sweep_dir).name
+
+
 def model_label(model_cfg) -> str:
     """Which weights a run started from: the model's name, and for the tiny model whether its base was
     pretrained or random (a user's model.path is named by its folder)."""

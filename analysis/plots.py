@@ -286,7 +286,9 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
     setup stops being invariant (bands: setup -> (c_start, c_end), from measured sqrt(v_hat) quantiles, or
     the clipping band for a clipped setup); dashed: where the risk advisor predicts a 1% update cut
     (onsets: setup -> c); diverged runs as x at the top. One panel per optimizer when an optimizer has
-    several setups, else one panel for all; the x-range spans the runs and the bands."""
+    several setups, else one panel for all. The x-range spans the runs and what is drawn within a decade of
+    them: a band or onset further out is named in the legend, not drawn (a sweep of a few c values is not a
+    figure of empty band)."""
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
     one_panel = (table.optimizer.nunique() <= 1 or table.groupby("optimizer").setup.nunique().max() <= 1
@@ -330,13 +332,27 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
             if spread > 1.05 else "")
         handles.append(Line2D([], [], color="0.35", ls="-.", lw=1.0, label=f"1% of the reference's loss ({what})"))
     clipped = set(runs.setup[runs["clip"].notna()])
+    positive = [x for x in xs if x > 0]
+    reach = (min(positive) / 10, max(positive) * 10) if positive else (0.0, np.inf)  # a decade beyond the runs
+
+    def where(low: float, high: float | None = None) -> str:  # a band or onset the runs do not reach, said in words
+        high = low if high is None else high
+        span = short_number(low, 2) + ("" if high == low else f"..{short_number(high, 2)}")
+        side = "below" if high < reach[0] else "above"
+        return f"at c = {span}, {side} this sweep's c_eff: not drawn"
+
     sources = {}
     for setup, (low, high) in (bands or {}).items():
         if setup in colors:
             ax, color = colors[setup]
-            ax.axvspan(min(low, high), max(low, high), alpha=0.13, color=color)
-            xs += [low, high]
-            handles.append(Line2D([], [], color=color, alpha=0.35, lw=8, label=f"{setup}: predicted band"))
+            low, high = min(low, high), max(low, high)
+            inside = high >= reach[0] and low <= reach[1]
+            if inside:
+                low, high = max(low, reach[0]), min(high, reach[1])
+                ax.axvspan(low, high, alpha=0.13, color=color)
+                positive += [low, high]
+            handles.append(Line2D([], [], color=color, alpha=0.35, lw=8,
+                                  label=f"{setup}: predicted band" + ("" if inside else f" {where(low, high)}")))
             sources["clip" if setup in clipped else "eps"] = None
     notes = {"eps": "bands: eps / sqrt(v_hat), sqrt(v_hat) from q90 to q10 of the reference",
              "clip": "clipping bands: max_norm / grad norm of the reference, max to min"}
@@ -344,16 +360,18 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
     for setup, c in (onsets or {}).items():
         if setup in colors:
             ax, color = colors[setup]
-            ax.axvline(c, color=color, ls="--", lw=1.2)
-            xs.append(c)
+            inside = reach[0] <= c <= reach[1]
+            if inside:
+                ax.axvline(c, color=color, ls="--", lw=1.2)
+                positive.append(c)
             handles.append(Line2D([], [], color=color, ls="--", lw=1.2,
-                                  label=f"{setup}: advisor's 1% update cut (c={short_number(c, 2)})"))
+                                  label=f"{setup}: advisor's 1% update cut "
+                                        + (f"(c={short_number(c, 2)})" if inside else where(c))))
     if zeros:
         handles.append(Line2D([], [], color="k", marker="o", ls="", ms=5,
                               label=f"at {short_number(FLOOR)}: exact 0 (the reference itself)"))
     if diverged_any:
         handles.append(Line2D([], [], color="k", marker="x", ls="", ms=8, mew=2, label="diverged (drawn at the top)"))
-    positive = [x for x in xs if x > 0]
     for name, ax in axes.items():
         ax.set(title="" if one_panel else name, xscale="log", yscale="log",
                xlabel="c_eff (effective gradient multiplier)")

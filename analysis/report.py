@@ -15,10 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
+from omegaconf import OmegaConf
 
 from analysis import plots
 from analysis.advise import advisor_summary, advisor_vs_measured, predicted_onsets
-from analysis.load import load, short_number
+from analysis.load import load, logged_group, short_number
 from analysis.tables import (
     eps_share_table,
     equivalence_table,
@@ -129,7 +130,8 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         "but for the data order): what changing nothing but the seed does. Also in seed_band.csv.", "",
         _markdown(band) if len(band) else "No reference repeated at two or more seeds.", "",
         "## Equivalences the theory calls exact", "",
-        "SGD(lr, c) == SGD(lr*c, 1) and AdamW(c, eps) == AdamW(1, eps/c), for the pairs this sweep holds.", "",
+        "SGD(lr, c) == SGD(lr*c, 1), AdamW(c, eps) == AdamW(1, eps/c), and a run at c_eff = 1 by another scale "
+        "and fix == its reference (the bug is a pure rescale), for the pairs this sweep holds.", "",
         _markdown(equivalences) if len(equivalences) else "No such pair in this sweep.", "",
         "## Figures", "", *[f"![{p.stem}]({p.name})" for p in written], "", *skipped, "",
         "## Runs", "", _markdown(runs[run_columns]), "",
@@ -155,7 +157,9 @@ def log_to_wandb(paths: list[Path], out: Path, figures: list[Path], mode: str, p
         import wandb
 
         runs, _ = load(paths)
-        run = wandb.init(project=project, group=Path(paths[0]).name, job_type="analysis", name="report",
+        first = Path(runs.path.iloc[0])
+        group = logged_group(first, OmegaConf.to_container(OmegaConf.load(first / ".hydra" / "config.yaml")))
+        run = wandb.init(project=project, group=group or Path(paths[0]).name, job_type="analysis", name="report",
                          mode=mode, dir=str(out), settings=wandb.Settings(init_timeout=60, console="off"))
         run.log({f"figures/{p.stem}": wandb.Image(str(p)) for p in figures})
         run.log({"runs": wandb.Table(dataframe=runs.astype({"clip": str}))})

@@ -78,11 +78,18 @@ def one_percent_thresholds(runs: pd.DataFrame) -> dict[tuple[str, float], float]
 def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
     """Pairs that the theory says train identically (docs/design.md physics 2-3), with c_eff != 1 on one side:
     each optimizer's twin rule (experiments/optimizers/: SGD(lr, c) == SGD(lr*c, 1) without weight decay,
-    AdamW(c, eps) == AdamW(1, eps/c)); none with clipping. Columns: run, equivalent (the c_eff = 1 run), rule."""
+    AdamW(c, eps) == AdamW(1, eps/c)); none with clipping. And physics 1, the bug is a pure rescale: a run at
+    c_eff = 1 by another scale and fix (fix off at scale N) == its scale 1, fix-on reference.
+    Columns: run, equivalent (the c_eff = 1 run), rule."""
     keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]
+    rows = []
+    for reference, r in zip(pair_references(runs), runs.itertuples()):
+        if np.isclose(r.c_eff, 1.0) and reference not in (None, r.run):
+            rows.append({"run": r.run, "equivalent": reference,
+                         "rule": f"scale={short_number(r.scale)}, fix {'on' if r.fix else 'off'} "
+                                 f"(world_size {r.world_size}) == scale=1, fix on: the same c_eff = 1"})
     runs = _recipe_up_to_c(runs)
     unit = runs[np.isclose(runs.c_eff, 1.0)]
-    rows = []
     for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna()].itertuples():
         optimizer = optimizer_entry(r.optimizer)
         rule = optimizer.scale_rule

@@ -1,23 +1,29 @@
-"""`python -m experiments.advise [key=value ...] [--world-sizes N,..] [--scales c,..] [--eps E] [--json FILE]`
+"""`python -m experiments.advise [key=value ...] [--gradient-only] [--world-sizes N,..] [--scales c,..] [--eps E]
+[--json FILE]`
 
 The risk advisor for your own model: runs the short c = 1 reference fine-tune it needs, through the same
 entry point and config keys as any run (`model.path=DIR`, `data=...`, `optimizer.eps=...`; `steps=20`
 unless given), with sqrt(v_hat) histograms on every step, then prints what a gradient multiplier c = 1/N
-would do to AdamW's update at each world size N (`python -m analysis.advise` on that run folder).
+would do to AdamW's update at each world size N (`python -m analysis.advise` on that run folder). With
+--gradient-only it needs one gradient instead: Adam's first step has v_hat = g^2 exactly, so the step-0
+prediction needs no optimizer state and no step, only the memory of a forward and backward. Both modes
+print the memory they will need first, and refuse in one line when the device does not have it free.
 
     python -m experiments.advise model=smollm2_135m
-    python -m experiments.advise model.path=/models/Llama-3.2-3B --world-sizes 8,64,512
+    python -m experiments.advise model.path=/models/Llama-3.2-3B --gradient-only --world-sizes 8,64,512
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from experiments.checks import override_key
+from experiments.checks import ConfigError, override_key
 from experiments.optimizers import advisable
 
 DEFAULT_STEPS = 20
@@ -51,11 +57,70 @@ def reference_overrides(overrides: list[str]) -> tuple[list[str], Path]:
     return [*overrides, *added], run_dir
 
 
+def preflight(overrides: list[str], gradient_only: bool):
+    """The run's config, composed, range-checked and checked against the machine, and its memory estimate
+    against what the device has free, before anything is loaded; ConfigError (one line) when any fails."""
+    from experiments import memory
+    from experiments.config import validate
+    from experiments.hydra_glue import compose, to_object, unknown_option_problem
+    from experiments.parallel import device_for
+    from experiments.probes import check_environment
+
+    config_overrides = [o for o in overrides if not o.startswith("hydra.")]
+    if problem := unknown_option_problem(config_overrides):
+        raise ConfigError(problem)
+    try:
+        cfg = compose(config_overrides)
+    except Exception as e:  # Hydra's composition errors: an unknown key, a bad value type
+        raise ConfigError(f"error: {str(e).splitlines()[0]}") from None
+    validate(cfg, config_overrides)
+    check_environment(cfg)
+    run_cfg = to_object(cfg)
+    device_type = device_for(run_cfg.device).type
+    needed = memory.estimate(run_cfg, device_type, optimizer_state=not gradient_only,
+                             sequences_per_forward=run_cfg.batch_size // run_cfg.grad_accum)
+    what = "the gradient-only advisor" if gradient_only else "the advisor's reference fine-tune"
+    advice = "lower batch_size or seq_len, raise grad_accum" + ("" if gradient_only else ", or use --gradient-only")
+    memory.check_fits(needed, device_type, what, advice)
+    print(f"advise: {what} needs about {needed.describe()} on {device_type}", flush=True)
+    return cfg, run_cfg, device_type
+
+
+def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
+    """The step-0 gradient of one batch at c = 1, through the loop's own gradient code, as the histogram
+    records the advisor reads (experiments.optim.gradient_records), in run_dir; no optimizer step."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from experiments.job import build_job
+    from experiments.optim import gradient_records
+    from experiments.pretrain import prepare_weights
+    from experiments.train import accumulate_gradients
+
+    prepare_weights(run_cfg.model)
+    job = build_job(run_cfg)
+    inputs, targets = job.batches.train_batch(0)
+    params = [p for p in job.model.parameters() if p.requires_grad]
+    _, num_tokens = accumulate_gradients(job.model, inputs, targets, job.pipeline, job.ranks, run_cfg.grad_accum,
+                                         job.autocast, job.device)
+    job.pipeline.apply(params, num_tokens, job.ranks, measure=False)
+    records = gradient_records(job.optimizer, {p: n for n, p in job.model.named_parameters()})
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
+    (run_dir / "adam_stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    peak = (torch.cuda.max_memory_allocated(job.device) if job.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    print(f"advise: measured peak {'allocated' if job.device.type == 'cuda' else 'resident'} memory "
+          f"{peak / 2**30:.3g} GiB", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.advise", description=__doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog="examples:\n" + __doc__.split("\n\n")[2])
     parser.add_argument("overrides", nargs="*", help="the run's config overrides (key=value), as for experiments.run")
+    parser.add_argument("--gradient-only", action="store_true",
+                        help="predict from one step-0 gradient (no optimizer state, no step) instead of 20 steps")
     parser.add_argument("--world-sizes", help="comma-separated N: the bug's c = 1/N (default 2,4,...,4096)")
     parser.add_argument("--scales", help="comma-separated multipliers c instead, e.g. 1e-4,1e-5")
     parser.add_argument("--eps", type=float, help="predict for this eps (default: the run's optimizer.eps)")
@@ -66,13 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides, run_dir = reference_overrides(args.overrides)
         advise.check_options(args.world_sizes, args.scales, args.eps, args.json, None)  # before the run, not after
-    except (AdviseError, advise.AdviseError) as e:
+        cfg, run_cfg, _ = preflight(overrides, args.gradient_only)
+    except (AdviseError, advise.AdviseError, ConfigError) as e:
         print(e, file=sys.stderr)
         return 2
-    print(f"advise: the c = 1 reference fine-tune -> {run_dir}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "experiments.run", *overrides])
-    if done.returncode != 0:
-        return done.returncode  # the run said why, in one line
+    if args.gradient_only:
+        print(f"advise: the step-0 gradient at c = 1 -> {run_dir}", flush=True)
+        gradient_only(cfg, run_cfg, run_dir)
+    else:
+        print(f"advise: the c = 1 reference fine-tune -> {run_dir}", flush=True)
+        done = subprocess.run([sys.executable, "-m", "experiments.run", *overrides])
+        if done.returncode != 0:
+            return done.returncode  # the run said why, in one line
+        cuda_peak = json.loads((run_dir / "summary.json").read_text()).get("peak_cuda_memory_gib")
+        measured = (f"allocated memory {cuda_peak:.3g}" if cuda_peak is not None else "resident memory "
+                    f"{resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 2**30:.3g}")
+        print(f"advise: the run's measured peak {measured} GiB", flush=True)
     options = [f"--{name.replace('_', '-')}={value}" for name, value in
                (("world_sizes", args.world_sizes), ("scales", args.scales), ("eps", args.eps), ("json", args.json))
                if value is not None]

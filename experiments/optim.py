@@ -134,20 +134,27 @@ def sqrt_v_histograms(optimizer: torch.optim.Optimizer, ranks: Ranks | None = No
     to bin resolution: ratio(c)^2 = sum_b E_b r(s_b, c)^2 / sum_b E_b, r = (s + eps) / (s + eps / c)."""
     rows = []
     for _, m, v, bias_correction1, bias_correction2, eps in adam_moments(optimizer):
-        row = torch.zeros(2, 1 + HIST_BINS, dtype=torch.float64, device=v.device)
         # in chunks: the temporaries stay a few MB however large the tensor (a 3B model's embedding: 394M)
-        for m_chunk, v_chunk in zip(m.flatten().split(HIST_CHUNK), v.flatten().split(HIST_CHUNK)):
-            s = (v_chunk.float() / bias_correction2).sqrt()
-            energy = ((m_chunk.float() / bias_correction1) / (s + eps)).square()
-            index = ((s.log10() - HIST_LOG10_MIN) * HIST_BINS_PER_DECADE).floor().clamp(0, HIST_BINS - 1) + 1
-            index = torch.where(s > 0, index, 0).long()  # log10(0) = -inf: zeros get their own slot
-            row[0] += torch.bincount(index, minlength=1 + HIST_BINS)
-            row[1] += torch.bincount(index, weights=energy.double(), minlength=1 + HIST_BINS)
-        rows.append(row)
+        chunks = ((m_chunk.float() / bias_correction1, (v_chunk.float() / bias_correction2).sqrt())
+                  for m_chunk, v_chunk in zip(m.flatten().split(HIST_CHUNK), v.flatten().split(HIST_CHUNK)))
+        rows.append(_histogram_row(chunks, eps, v.device))
     if not rows:
         return torch.zeros(0, 2, 1 + HIST_BINS, dtype=torch.float64)
     histograms = torch.stack(rows)
     return ranks.sum_if_sharded(histograms) if ranks is not None else histograms
+
+
+def _histogram_row(chunks, eps: float, device) -> torch.Tensor:
+    """(2, 1 + HIST_BINS) float64: coordinate count and energy (m_hat / (s + eps))^2 per bin of s, over
+    chunks of (m_hat, s)."""
+    row = torch.zeros(2, 1 + HIST_BINS, dtype=torch.float64, device=device)
+    for m_hat, s in chunks:
+        energy = (m_hat / (s + eps)).square()
+        index = ((s.log10() - HIST_LOG10_MIN) * HIST_BINS_PER_DECADE).floor().clamp(0, HIST_BINS - 1) + 1
+        index = torch.where(s > 0, index, 0).long()  # log10(0) = -inf: zeros get their own slot
+        row[0] += torch.bincount(index, minlength=1 + HIST_BINS)
+        row[1] += torch.bincount(index, weights=energy.double(), minlength=1 + HIST_BINS)
+    return row
 
 
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
@@ -172,16 +179,41 @@ def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor,
     records = []
     for (p, v, bias_correction2, eps), histogram in zip(adam_states(optimizer), histograms):
         v = v.flatten()[:: max(1, v.numel() // MAX_QUANTILE_SAMPLE)].float()
-        sqrt_v = (v / bias_correction2).sqrt()
-        q = quantiles(sqrt_v, QUANTILES)
-        counts, energies = histogram
-        filled = counts[1:].nonzero().flatten()
-        records.append({"step": step, "tensor": names.get(p, "?"), "numel": p.numel(), "eps": eps,
-                        **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)},
-                        "hist_zeros": int(counts[0]), "hist_zeros_energy": float(energies[0]),
-                        "hist_bins": filled.tolist(), "hist_count": counts[1:][filled].long().tolist(),
-                        "hist_energy": energies[1:][filled].tolist()})
+        records.append(_stats_record(step, names.get(p, "?"), p.numel(), eps, (v / bias_correction2).sqrt(),
+                                     histogram))
     return records
+
+
+@torch.no_grad()
+def gradient_records(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]) -> list[dict]:
+    """sqrt_v_quantiles' records at step 0 from the gradients alone, before the first step: Adam's first
+    step has m_hat = g and v_hat = g^2 exactly, so s = |g|, and no optimizer state is needed (one process,
+    no shards)."""
+    records = []
+    for group in optimizer.param_groups:
+        if "eps" not in group or "betas" not in group:
+            continue
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad.flatten()
+            chunks = ((chunk.float(), chunk.float().abs()) for chunk in g.split(HIST_CHUNK))
+            histogram = _histogram_row(chunks, group["eps"], g.device).cpu()
+            sample = g[:: max(1, g.numel() // MAX_QUANTILE_SAMPLE)].float().abs()
+            records.append(_stats_record(0, names.get(p, "?"), p.numel(), group["eps"], sample, histogram))
+    return records
+
+
+def _stats_record(step: int, tensor: str, numel: int, eps: float, s_sample: torch.Tensor,
+                  histogram: torch.Tensor) -> dict:
+    q = quantiles(s_sample, QUANTILES)
+    counts, energies = histogram
+    filled = counts[1:].nonzero().flatten()
+    return {"step": step, "tensor": tensor, "numel": numel, "eps": eps,
+            **{f"q{round(100 * k):02d}": value for k, value in zip(QUANTILES, q)},
+            "hist_zeros": int(counts[0]), "hist_zeros_energy": float(energies[0]),
+            "hist_bins": filled.tolist(), "hist_count": counts[1:][filled].long().tolist(),
+            "hist_energy": energies[1:][filled].tolist()}
 
 
 @torch.no_grad()

@@ -172,11 +172,28 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     return sorted((d for d in Path(sweep_dir).iterdir() if (d / ".hydra").is_dir()), key=job_number)
 
 
+def wandb_group(task: list[str], params: dict[str, Any], preset: str | None, sweep_dir: Path,
+                exclude_keys: list[str]) -> str:
+    """The W&B group of a sweep's runs (wandb.group unless set): what the sweep runs, i.e. its command's overrides
+    (paths and W&B keys left out) and, without a preset, the sweep the default config adds (fix on and off),
+    each as key:value (W&B's run filters garble `=`); then where it writes (the folder's last two parts, by
+    default DATE/TIME, so each sweep is a group of its own). At most 128 characters, W&B's limit: what gives
+    way, not where."""
+    shown = [o for o in task if override_key(o) not in exclude_keys and not override_key(o).startswith("wandb.")]
+    if preset is None:
+        keys = {override_key(o) for o in task}
+        shown += [f"{key}={value}" for key, value in params.items() if key not in keys]
+    where = " @ " + "/".join(Path(sweep_dir).parts[-2:])
+    what = " ".join(shown).replace("=", ":") or "defaults"
+    return what[:max(0, 128 - len(where))] + where[:128]
+
+
 def sweep_runs(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per job folder in the sweep: its overrides and what its summary.json says."""
+    """One row per job folder in the sweep: its overrides (the W&B group the sweeper names aside) and what its
+    summary.json says."""
     rows = []
     for job_dir in job_dirs(sweep_dir):
-        overrides = job_overrides(job_dir)
+        overrides = [o for o in job_overrides(job_dir) if override_key(o) != "wandb.group"]
         summary_file = job_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {"status": "interrupted"}
         rows.append({**summary, "dir": job_dir.name, "overrides": " ".join(overrides)})

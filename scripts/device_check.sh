@@ -8,7 +8,8 @@
 # part is reported and the next one still runs. OUT_DIR/summary.txt holds every part's status and the
 # numbers to quote (also printed). Where $OUT is set (the device tool), summary.txt and device_check.tar.gz
 # (every log, summary and figure; no weights or checkpoints) are copied there at the end.
-#   1. the default sweep (optimizer=sgd,adamw scale=1,8) on CUDA in fp32 and in bf16, with its report
+#   1. the default sweep (optimizer=sgd,adamw scale=1,8: 8 jobs, fix on and off) on CUDA in fp32 and in bf16,
+#      with its report
 #   2. the gpu-marked tests: the tiny sweep on CUDA, and 1-process torchrun under NCCL with DDP and FSDP2
 #      (every collective of the loop and the checkpoint gather on a real NCCL group)
 #   3. model=llama3_2_1b, random init, 20 steps in bf16, fix on and off at emulated world size 8, SGD and
@@ -133,7 +134,7 @@ part() {
 
 run=("$PY" -m experiments.run)
 for precision in fp32 bf16; do
-  part "default_sweep_$precision" 150 "${run[@]}" -m optimizer=sgd,adamw scale=1,8 device=$device \
+  part "default_sweep_$precision" 180 "${run[@]}" -m optimizer=sgd,adamw scale=1,8 device=$device \
     precision=$precision "${shrink[@]}" hydra.sweep.dir="$out/default_sweep_$precision"
   [ -d "$out/default_sweep_$precision" ] && part "report_$precision" 60 "$PY" -m analysis.report \
     "$out/default_sweep_$precision"
@@ -151,27 +152,33 @@ elif [ -z "$only" ] || [[ ",$only," == *",smollm2,"* ]]; then
   echo "smollm2: skipped (its checkpoint is not cached here; it needs one fetch: python -m experiments.run model=smollm2_135m steps=1)" | tee -a "$summary"
 fi
 
-# the numbers to quote: per job its c_eff, step-0 grad norm, final loss, wall time and peak memory
+# the numbers to quote: per job its scale, fix, c_eff, step-0 grad norm, final loss, wall time and peak memory; per
+# study and optimizer the bug's step-0 norm ratio (fix off / on at scale 1: theory 1/8) and, where the sweep has it,
+# fix off at scale 8 against fix on at scale 1 (the same c_eff = 1: identical, the bug is a pure rescale)
 "$PY" - "$out" <<'EOF' | tee -a "$summary"
 import json, sys
 from pathlib import Path
-norms = {}
+runs = {}
 for summary_file in sorted(Path(sys.argv[1]).glob("*/*/summary.json")):
     s = json.loads(summary_file.read_text())
     first = next((json.loads(line) for line in (summary_file.parent / "metrics.jsonl").open()
                   if '"train/grad_norm"' in line), {})
     peak = s.get("peak_cuda_memory_gib")
     job = f"{summary_file.parent.parent.name}/{summary_file.parent.name.split('_')[0]}"
-    print(f"{job} {s.get('optimizer')}: {s['status']}, c_eff {s.get('c_eff')}, "
-          f"step-0 grad norm {first.get('train/grad_norm', float('nan')):.6g}, final loss {s.get('final_loss')}, "
-          f"{s.get('wall_s', 0):.1f} s, peak {'-' if peak is None else f'{peak:.2f} GiB'}")
-    norms.setdefault((summary_file.parent.parent.name, s.get("optimizer")), {})[
-        s["c_eff"]] = (first.get("train/grad_norm"), s.get("final_loss"))
-for (study, optimizer), runs in sorted(norms.items()):
-    if {1.0, 0.125} <= set(runs) and None not in runs[1.0] + runs[0.125]:
-        (on, on_loss), (off, off_loss) = runs[1.0], runs[0.125]
-        print(f"{study} {optimizer}: step-0 grad norm fix off / on = {off / on:.6f} (theory 0.125), "
-              f"final loss fix on {on_loss:.4f}, off {off_loss:.4f}, difference {abs(on_loss - off_loss):.3g}")
+    print(f"{job} {s.get('optimizer')} scale {s.get('scale')} fix {s.get('fix')}: {s['status']}, "
+          f"c_eff {s.get('c_eff')}, step-0 grad norm {first.get('train/grad_norm', float('nan')):.6g}, "
+          f"final loss {s.get('final_loss')}, {s.get('wall_s', 0):.1f} s, "
+          f"peak {'-' if peak is None else f'{peak:.2f} GiB'}")
+    runs.setdefault((summary_file.parent.parent.name, s.get("optimizer")), {})[(s.get("scale"), s.get("fix"))] = (
+        first.get("train/grad_norm"), s.get("final_loss"))
+for (study, optimizer), by_job in sorted(runs.items()):
+    on, off, off_8 = by_job.get((1.0, True)), by_job.get((1.0, False)), by_job.get((8.0, False))
+    if on and off and None not in on + off:
+        print(f"{study} {optimizer}: step-0 grad norm fix off / on = {off[0] / on[0]:.6f} (theory 0.125), "
+              f"final loss fix on {on[1]:.4f}, off {off[1]:.4f}, difference {abs(on[1] - off[1]):.3g}")
+    if on and off_8 and None not in on + off_8:
+        print(f"{study} {optimizer}: fix off at scale 8 against fix on at scale 1 (c_eff 1 both): final loss "
+              f"{off_8[1]:.6f} vs {on[1]:.6f}, {'identical' if off_8 == on else 'DIFFERENT (theory: identical)'}")
 EOF
 echo "total: $SECONDS s" | tee -a "$summary"
 echo "results: $out"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -80,7 +81,7 @@ def advisor_sweep(tmp_path_factory, cache_dir):
     """AdamW at c = 1, 1e-4, 1e-5 on the tiny model, histograms every step; an SGD run and one without records."""
     sweep = tmp_path_factory.mktemp("advisor")
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
-    for args in (["-m", "optimizer=adamw", "scale=1,1e-4,1e-5", "adam_stats_every=1",
+    for args in (["-m", "optimizer=adamw", "scale=1,1e-4,1e-5", "fix=true", "adam_stats_every=1",
                   f"hydra.sweep.dir={sweep / 'adamw'}"],
                  ["optimizer=sgd", f"hydra.run.dir={sweep / 'sgd'}"],
                  ["optimizer=adamw", "adam_stats_every=null", f"hydra.run.dir={sweep / 'no_records'}"]):
@@ -147,12 +148,31 @@ def test_advise_refuses_bad_input_in_one_line(advisor_sweep, case, args, says):
 def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
     command = [sys.executable, "-m", "experiments.advise", *TINY, "steps=3", f"hydra.run.dir={tmp_path / 'ref'}",
-               "--world-sizes", "64"]
+               "--world-sizes", "8,64", "--json", str(tmp_path / "ref.json")]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "N=64" in proc.stdout
+    # the memory it needs, said before the run (weights, gradients, Adam's state, activations), then measured
+    assert re.search(r"^advise: the advisor's reference fine-tune needs about [\d.]+ GiB \(weights .*optimizer state",
+                     proc.stdout, re.M)
+    assert re.search(r"^advise: the run's measured peak resident memory [\d.]+ GiB", proc.stdout, re.M)
     records = read_jsonl(tmp_path / "ref" / "adam_stats.jsonl")
     assert sorted({r["step"] for r in records}) == [0, 1, 2]  # histograms on every step
+
+    # --gradient-only: step 0 from one gradient (v_hat = g^2 at Adam's first step): the same prediction, no state
+    gradient = subprocess.run([*command[:-5], f"hydra.run.dir={tmp_path / 'gradient'}", "--gradient-only",
+                               "--world-sizes", "8,64", "--json", str(tmp_path / "gradient.json")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert gradient.returncode == 0, gradient.stderr[-3000:]
+    assert re.search(r"^advise: the gradient-only advisor needs about [\d.]+ GiB \(weights [\d.e-]+, gradients "
+                     r"[\d.e-]+, activations", gradient.stdout, re.M) and "optimizer state" not in gradient.stdout
+    assert not (tmp_path / "gradient" / "summary.json").exists()  # no fine-tune ran
+    step_0 = json.loads((tmp_path / "ref.json").read_text())["steps"][0]
+    only = json.loads((tmp_path / "gradient.json").read_text())["steps"]
+    assert [s["step"] for s in only] == [0] and step_0["step"] == 0
+    for a, b in zip(step_0["predictions"], only[0]["predictions"], strict=True):
+        assert b["update_rms_ratio"] == pytest.approx(a["update_rms_ratio"], rel=1e-6)
+        assert b["eps_dominated_share"] == pytest.approx(a["eps_dominated_share"], rel=1e-3, abs=1e-6)
     summary = json.loads((tmp_path / "ref" / "summary.json").read_text())
     assert summary["c_eff"] == 1 and summary["steps_done"] == 3
     refused = subprocess.run([*command[:3], "scale=8"], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -173,3 +193,34 @@ def test_experiments_advise_checks_its_flags_before_the_reference_run(tmp_path, 
                           cwd=ROOT, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == says and proc.stdout == ""
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("mode", [[], ["--gradient-only"]])
+def test_experiments_advise_refuses_what_will_not_fit_before_loading_anything(tmp_path, mode):
+    """Llama 3.2 3B at 64 x 4096 tokens: terabytes of activations on any machine; one line, exit 2, no folder."""
+    run_dir = tmp_path / "ref"
+    proc = subprocess.run([sys.executable, "-m", "experiments.advise", "model=llama3_2_3b", "batch_size=64",
+                           "seq_len=4096", f"hydra.run.dir={run_dir}", *mode], cwd=ROOT,
+                          env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=120)
+    what = "the gradient-only advisor" if mode else "the advisor's reference fine-tune"
+    assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert re.fullmatch(rf"error: {what} needs about \d+ GiB \(weights 12, gradients 12, "
+                        + ("" if mode else r"optimizer state 25, ")
+                        + r"activations \d+, framework 0.5\) on cpu; this machine has [\d.]+ GiB available: lower "
+                        r"batch_size or seq_len, raise grad_accum" + ("" if mode else ", or use --gradient-only"),
+                        proc.stderr.strip()), proc.stderr
+    assert not run_dir.exists()
+
+
+def test_memory_estimate_counts_parameters_on_the_meta_device():
+    from experiments import memory
+    from experiments.hydra_glue import compose, to_object
+
+    full = to_object(compose(["model=smollm2_135m"]))
+    assert memory.parameter_counts(full) == (134515008, 134515008)  # SmolLM2-135M, tied embeddings counted once
+    lora = to_object(compose(["model=smollm2_135m", "finetune=lora"]))
+    total, trained = memory.parameter_counts(lora)
+    assert total > 134515008 and 0 < trained < total // 50
+    estimate = memory.estimate(full, "cpu", optimizer_state=True, sequences_per_forward=8)
+    assert estimate.weights == estimate.gradients == 4 * 134515008 and estimate.optimizer_state > 8 * 134515008
+    assert memory.estimate(full, "cpu", optimizer_state=False, sequences_per_forward=8).optimizer_state == 0

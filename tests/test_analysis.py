@@ -118,7 +118,7 @@ def test_a_panel_of_two_coinciding_lines_says_both():
 
 
 def test_breakdown_heatmap_and_lr_axis():
-    runs, curves = synthetic(c_values=(1.0, 8.0, 64.0), lrs=(1e-3, 1e-2))
+    runs, curves = synthetic(c_values=(1e-3, 1.0, 8.0, 64.0), lrs=(1e-3, 1e-2))
     runs.loc[runs.run == "sgd-0.01-64", ["status", "final_loss"]] = ["diverged", float("nan")]
     fig = plots.breakdown(runs, curves, bands={"adamw": (1e-2, 1e-5)})
     ax = fig.axes[0]
@@ -129,9 +129,18 @@ def test_breakdown_heatmap_and_lr_axis():
     # the 1% threshold it is judged by: 1% of the references' final losses (5.0 here)
     threshold, = [line for line in ax.get_lines() if line.get_gid() == "threshold"]
     assert threshold.get_ydata()[0] == pytest.approx(0.05)
-    assert ax.get_xlim()[0] < 1e-5 and ax.get_xlim()[1] > 64  # the band and the runs both in range
+    # the runs' range, and the band as far as a decade beyond the runs
+    assert ax.get_xlim() == pytest.approx((1e-4 / 2.5, 64 * 2.5)) and ax.patches[0].get_x() == pytest.approx(1e-4)
+    # a sweep of c = 1 .. 64 only: the band below it is named in the legend, not drawn as a figure of empty band
+    few = runs[runs.c_eff >= 1]
+    fig = plots.breakdown(few, curves, bands={"adamw": (1e-2, 1e-5)}, onsets={"adamw": 1e-3})
+    ax = fig.axes[0]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert len(ax.patches) == 0 and ax.get_xlim() == pytest.approx((1 / 2.5, 64 * 2.5))
+    assert "adamw: predicted band at c = 1e-5..0.01, below this sweep's c_eff: not drawn" in legend
+    assert any(t.startswith("adamw: advisor's 1% update cut at c = 1e-3, below") for t in legend)
     heat = plots.final_loss_heatmap(runs)
-    assert len(heat.axes) == 3 and heat.axes[0].images[0].get_array().shape == (2, 3)  # 2 plots, 1 colour scale
+    assert len(heat.axes) == 3 and heat.axes[0].images[0].get_array().shape == (2, 4)  # 2 plots, 1 colour scale
     assert "diverged" in [t.get_text() for t in heat.axes[0].texts + heat.axes[1].texts]
     axis = plots.lr_axis(runs)
     diverged_marks = [line for line in axis.axes[0].get_lines() if line.get_marker() == "x" and len(line.get_xdata())]
@@ -253,7 +262,7 @@ def tiny_sweep(tmp_path_factory, cache_dir):
     from tests.conftest import OFFLINE_ENV, ROOT
 
     sweep = tmp_path_factory.mktemp("analysis") / "sweep"
-    args = ["-m", "optimizer=sgd,adamw", "optimizer.lr=1e-3,1e-2", "scale=1,8", *TINY, "adam_stats_every=2",
+    args = ["-m", "optimizer=sgd,adamw", "optimizer.lr=1e-3,1e-2", "scale=1,8", "fix=true", *TINY, "adam_stats_every=2",
             f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
     proc = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=ROOT, env=env, capture_output=True,
@@ -325,7 +334,7 @@ def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
 
 def test_report_skips_figures_that_do_not_apply(tmp_path, cli):
     sweep = tmp_path / "one"
-    assert cli(["-m", "scale=8", *TINY, f"hydra.sweep.dir={sweep}"]).returncode == 0
+    assert cli(["-m", "scale=8", "fix=true", *TINY, f"hydra.sweep.dir={sweep}"]).returncode == 0
     from analysis.report import main
 
     assert main([str(sweep), "--out", str(tmp_path / "r")]) == 0

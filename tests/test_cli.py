@@ -22,13 +22,13 @@ SUMMARY_KEYS = {
 }
 
 
-def test_default_sweep_command_runs_four_complete_jobs(cli, tmp_path):
+def test_default_sweep_command_runs_eight_jobs_with_and_without_the_fix(cli, tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = cli(["-m", "optimizer=sgd,adamw", "scale=1,8", *TINY, f"hydra.sweep.dir={sweep_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     dirs = job_dirs(sweep_dir)
-    assert len(dirs) == 4
-    first_grad_norm = {}
+    assert len(dirs) == 8  # the user's command sweeps the fix too (conf/sweep/fix_on_and_off.yaml)
+    losses, first_grad_norm = {}, {}
     for d in dirs:
         summary = json.loads((d / "summary.json").read_text())
         assert SUMMARY_KEYS <= summary.keys()
@@ -41,14 +41,29 @@ def test_default_sweep_command_runs_four_complete_jobs(cli, tmp_path):
         assert [r["step"] for r in records if "eval/loss" in r] == [1, 3]
         assert summary["final_loss"] == train[-1]["train/loss"]
         assert (d / "run.log").stat().st_size > 0
-        first_grad_norm[(summary["optimizer"], summary["scale"])] = train[0]["train/grad_norm"]
-    for opt in ("sgd", "adamw"):  # same weights and batch at step 0: the norm ratio is exactly the scale
-        assert first_grad_norm[(opt, 8.0)] / first_grad_norm[(opt, 1.0)] == pytest.approx(8.0, rel=1e-6)
+        key = (summary["optimizer"], summary["scale"], summary["fix"])
+        losses[key] = [r["train/loss"] for r in train]
+        first_grad_norm[key] = train[0]["train/grad_norm"]
+    assert {fix for *_, fix in losses} == {True, False}
+    for opt in ("sgd", "adamw"):  # same weights and batch at step 0: the norm ratio is exactly c_eff
+        reference = first_grad_norm[(opt, 1.0, True)]
+        for (scale, fix), c_eff in {(8.0, True): 8.0, (1.0, False): 1 / 8, (8.0, False): 1.0}.items():
+            assert first_grad_norm[(opt, scale, fix)] / reference == pytest.approx(c_eff, rel=1e-6)
+        # the bug is a pure rescale: fix off at scale 8 (c_eff = 8 / 8) is fix on at scale 1, step for step
+        assert losses[(opt, 8.0, False)] == losses[(opt, 1.0, True)]
+    assert losses[("sgd", 1.0, False)] != losses[("sgd", 1.0, True)]  # SGD feels c_eff = 1/8
     # the sweep ends with a table of its runs
-    assert "overrides" in proc.stdout and proc.stdout.count("completed") >= 4
-    assert "optimizer=adamw scale=8" in proc.stdout
+    assert "overrides" in proc.stdout and proc.stdout.count("completed") >= 8
+    assert "fix=False optimizer=adamw scale=8" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("figures and report.md: python -m analysis.report ")
     assert "\r" not in proc.stdout + proc.stderr and "%|" not in proc.stderr  # no progress bars in a log
+
+
+def test_a_sweep_runs_the_fix_on_and_off_unless_a_preset_says_what_it_sweeps():
+    for overrides, fixes in (([], "true,false"), (["experiment=scale_sweep"], None),
+                             (["experiment=world_size_fix"], "true,false")):  # world_size_fix sweeps it itself
+        assert compose(overrides, with_hydra=True).hydra.sweeper.params.get("fix") == fixes, overrides
+    assert compose([]).fix is True  # a single run: the fix is on
 
 
 @pytest.mark.slow
@@ -67,7 +82,7 @@ def test_sixteen_job_sweep(cli, tmp_path):
 
 def test_divergence_is_data_and_the_sweep_goes_on(cli, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = cli(["-m", "optimizer=sgd", "optimizer.lr=0.05", "scale=1,1e30", *TINY, "steps=6",
+    proc = cli(["-m", "optimizer=sgd", "optimizer.lr=0.05", "scale=1,1e30", "fix=true", *TINY, "steps=6",
                 f"hydra.sweep.dir={sweep_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     statuses = {json.loads((d / "summary.json").read_text())["scale"]: json.loads((d / "summary.json").read_text())
@@ -97,7 +112,7 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(cli, tmp_path):
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     (broken / "tokenizer.json").write_text("{}")
     sweep_dir = tmp_path / "sweep"
-    proc = cli(["-m", f"model.path={broken},null", *TINY, f"hydra.sweep.dir={sweep_dir}"])
+    proc = cli(["-m", f"model.path={broken},null", "fix=true", *TINY, f"hydra.sweep.dir={sweep_dir}"])
     assert proc.returncode != 0
     summaries = [json.loads((d / "summary.json").read_text()) for d in job_dirs(sweep_dir)]
     assert [s["status"] for s in summaries] == ["failed", "completed"]
@@ -150,7 +165,7 @@ def test_bad_value_in_one_sweep_job_stops_the_sweep_before_any_job(cli, tmp_path
     sweep_dir = tmp_path / "sweep"
     proc = cli(["-m", "optimizer=sgd,adamw", "scale=1,-8", *TINY, f"hydra.sweep.dir={sweep_dir}"])
     assert proc.returncode != 0
-    assert "scale=-8.0" in proc.stderr and "job: optimizer=sgd scale=-8" in proc.stderr
+    assert "scale=-8.0" in proc.stderr and "job: fix=True optimizer=sgd scale=-8" in proc.stderr
     assert not sweep_dir.exists() or not job_dirs(sweep_dir)
 
 
@@ -230,7 +245,7 @@ def test_parallel_sweep_folders_and_progress_lines_name_what_tells_the_jobs_apar
     the overrides every job shares (smoke=on, the tiny config); the include job, which shares them all, is
     just its number. A re-run into folders named the old way resumes them in place."""
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", "hydra/launcher=local_parallel", "smoke=on", "optimizer=sgd,adamw", *TINY, "steps=2",
+    args = ["-m", "hydra/launcher=local_parallel", "smoke=on", "optimizer=sgd,adamw", "fix=true", *TINY, "steps=2",
             "hydra.sweeper.include=[['steps=2']]", f"hydra.sweep.dir={sweep_dir}"]
     proc = cli(args)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -255,9 +270,10 @@ def test_parallel_sweep_folders_and_progress_lines_name_what_tells_the_jobs_apar
 
 def test_a_one_job_sweep_keeps_its_overrides_and_a_single_run_has_no_tag(cli, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = cli(["-m", "scale=8", *TINY, "steps=1", f"hydra.sweep.dir={sweep_dir}"])
+    proc = cli(["-m", "scale=8", "fix=true", *TINY, "steps=1", f"hydra.sweep.dir={sweep_dir}"])  # fix pinned
     assert proc.returncode == 0, proc.stderr[-3000:]
-    name = "0_batch_size=8,eval_batches=1,eval_every=2,log_every=1,model.init=random,scale=8,seq_len=64,steps=1"
+    name = ("0_batch_size=8,eval_batches=1,eval_every=2,fix=True,log_every=1,model.init=random,scale=8,seq_len=64,"
+            "steps=1")
     assert [d.name for d in job_dirs(sweep_dir)] == [name]
     assert set(progress_tags(proc.stdout + proc.stderr)) == {name.replace("_", " ", 1)}
     single = cli([*TINY, "steps=1", f"hydra.run.dir={tmp_path / 'run'}"])

@@ -36,7 +36,8 @@ runpy.run_module("experiments.run", run_name="__main__", alter_sys=True)
 def sweep(tmp_path_factory, cache_dir) -> Path:
     """A four-job sweep (sgd, adamw x scale 1, 8) whose runs asked for W&B, and analysis.report's output."""
     sweep = tmp_path_factory.mktemp("dashboard") / "dash_sweep"
-    args = ["-m", "optimizer=sgd,adamw", "scale=1,8", *TINY, "wandb.mode=offline", f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "optimizer=sgd,adamw", "scale=1,8", "fix=true", *TINY, "wandb.mode=offline",
+            f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **OFFLINE_ENV, "WANDB_MODE": "offline", "GRADSCALE_CACHE": str(cache_dir)}
     proc = subprocess.run([sys.executable, "-c", RECORD_WANDB_INIT, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -117,11 +118,18 @@ def test_workspace_groups_by_config_keys_wandb_got_and_filters_this_sweeps_group
     assert groups == {("sgd", 1.0), ("sgd", 8.0), ("adamw", 1.0), ("adamw", 8.0)}  # one group per setup
     filters = {(f["key"]["section"], f["key"]["name"]): (f["op"], f["value"]) for f in runset["filters"]["filters"]}
     assert filters == {("run", "group"): ("=", inits[0]["group"]), ("run", "jobType"): ("=", "train")}
-    assert {init["group"] for init in inits} == {"dash_sweep"} and {i["job_type"] for i in inits} == {"train"}
+    assert {i["job_type"] for i in inits} == {"train"}
+    # the group says what the sweep runs (its command's overrides, W&B keys aside) and where, not the time
+    group, = {init["group"] for init in inits}
+    assert group.startswith("optimizer:sgd,adamw scale:1,8 fix:true model.init:random steps:4 ")
+    assert group.endswith(" @ " + "/".join(sweep.parts[-2:])) and "wandb" not in group and len(group) <= 128
+    workspace = json.loads((sweep / "wandb_workspace.json").read_text())
+    assert workspace["displayName"] == f"gradscale {group}"[:128]
 
 
 def test_report_holds_panels_figures_and_tables(sweep, capsys):
     assert dry_run(sweep, "--report") == 0
+    group = json.loads((run_folders(sweep)[0] / "wandb_init.json").read_text())["group"]
     out = sweep / "wandb_report.json"
     assert f"wrote {out} (report:" in capsys.readouterr().out
     spec = json.loads(out.read_text())
@@ -133,7 +141,7 @@ def test_report_holds_panels_figures_and_tables(sweep, capsys):
     assert set().union(*map(panel_metrics, charts)) <= logged_keys(sweep)
     grids = [b["metadata"]["runSets"][0] for b in blocks if b["type"] == "panel-grid"]
     assert [{f["key"]["name"]: f["value"] for f in g["filters"]["filters"]} for g in grids] == [
-        {"group": "dash_sweep", "jobType": "train"}, {"group": "dash_sweep", "jobType": "analysis"}]
+        {"group": group, "jobType": "train"}, {"group": group, "jobType": "analysis"}]
     assert all("project" not in g for g in grids)  # offline: no project lookup
     tables = [b["content"] for b in blocks if b["type"] == "markdown-block"][-1]
     report_md = (sweep / "report" / "report.md").read_text()
@@ -235,3 +243,16 @@ def test_a_dry_run_needs_no_entity_and_saving_does_in_one_line(sweep, tmp_path, 
     assert main([str(sweep)]) == 2
     assert capsys.readouterr().err.strip() == ("error: --entity is needed to save to W&B (your user or team); "
                                                "--dry-run writes the specs without it")
+
+
+def test_a_sweeps_wandb_group_says_what_it_runs_and_where():
+    from experiments.sweep import wandb_group
+
+    where = Path("multirun/2026-12-06/08-10-00")
+    assert wandb_group(["optimizer=sgd,adamw", "scale=1,8"], {"fix": "true,false"}, None, where, []) == \
+        "optimizer:sgd,adamw scale:1,8 fix:true,false @ 2026-12-06/08-10-00"  # the user's command, fix swept
+    assert wandb_group(["experiment=scale_sweep", "smoke=on", "wandb.mode=offline", "data.path=/x"],
+                       {"scale": "1e-8,1"}, "scale_sweep", Path("runs/mine"), ["data.path"]) == \
+        "experiment:scale_sweep smoke:on @ runs/mine"  # a preset: its name says what it sweeps
+    long = wandb_group([f"model.hidden_size={'1' * 200}"], {}, None, where, [])
+    assert len(long) == 128 and long.endswith(" @ 2026-12-06/08-10-00")  # what gives way, not where

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -122,6 +123,10 @@ def test_the_rehearsal_runs_every_part_of_the_check(tmp_path):
                  "llama3_2_1b", "bench"):
         assert f"{part}: ok in" in summary, summary
     assert "llama3_2_1b adamw: step-0 grad norm fix off / on = 0.125000" in summary, summary
+    for optimizer in ("sgd", "adamw"):  # the user's command sweeps the fix: its c_eff = 1 pair is one run twice
+        assert f"default_sweep_fp32 {optimizer}: step-0 grad norm fix off / on = 0.125000" in summary, summary
+        assert re.search(f"default_sweep_fp32 {optimizer}: fix off at scale 8 against fix on at scale 1 .*identical$",
+                         summary, re.M), summary
     # what comes back from the device: the summary and one archive, with no weights in it
     assert sorted(p.name for p in device_out.iterdir()) == ["device_check.tar.gz", "summary.txt"]
     with tarfile.open(device_out / "device_check.tar.gz") as archive:

@@ -175,7 +175,7 @@ def test_explicit_world_size_that_disagrees_with_torchrun_is_refused(monkeypatch
 def test_scale_out_launchers_run_a_two_job_sweep(cli, tmp_path, launcher):
     """submitit's local executor stands in for SLURM (same launcher plugin); local_parallel is joblib."""
     sweep_dir = tmp_path / "sweep"
-    proc = cli(["-m", f"hydra/launcher={launcher}", "scale=1,8", *TINY, f"hydra.sweep.dir={sweep_dir}"])
+    proc = cli(["-m", f"hydra/launcher={launcher}", "scale=1,8", "fix=true", *TINY, f"hydra.sweep.dir={sweep_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = [json.loads((d / "summary.json").read_text()) for d in job_dirs(sweep_dir)]
     assert [(s["scale"], s["status"]) for s in summaries] == [(1.0, "completed"), (8.0, "completed")]

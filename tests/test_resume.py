@@ -61,7 +61,7 @@ def test_killed_run_resumes_to_the_metrics_of_an_uninterrupted_run(cli, tmp_path
 @pytest.mark.slow
 def test_rerun_sweep_resumes_the_killed_job_and_leaves_the_diverged_one(cli, tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
-    args = ["-m", "optimizer=sgd", "optimizer.lr=0.05", "scale=1e30,1", *LONG, f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "optimizer=sgd", "optimizer.lr=0.05", "scale=1e30,1", "fix=true", *LONG, f"hydra.sweep.dir={sweep}"]
     proc = start(args, cache_dir)
     kill_when(proc, next_metrics(sweep, 1, proc), records=50)  # job 0 diverged; job 1 is killed mid-way
     diverged = job_dirs(sweep)[0]
@@ -95,9 +95,9 @@ def next_metrics(sweep: Path, job: int, proc: subprocess.Popen, timeout: float =
 
 def test_a_folder_of_another_sweep_is_refused_untouched(cli, tmp_path):
     sweep = tmp_path / "sweep"
-    assert cli(["-m", "scale=1,2", *TINY, "steps=1", f"hydra.sweep.dir={sweep}"]).returncode == 0
+    assert cli(["-m", "scale=1,2", "fix=true", *TINY, "steps=1", f"hydra.sweep.dir={sweep}"]).returncode == 0
     before = {p: p.stat().st_mtime_ns for p in sweep.rglob("*")}
-    proc = cli(["-m", "scale=1,4", *TINY, "steps=1", f"hydra.sweep.dir={sweep}"])
+    proc = cli(["-m", "scale=1,4", "fix=true", *TINY, "steps=1", f"hydra.sweep.dir={sweep}"])
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: hydra.sweep.dir={str(sweep)!r} holds runs of another sweep ({job_dirs(sweep)[1].name}); "
@@ -105,7 +105,7 @@ def test_a_folder_of_another_sweep_is_refused_untouched(cli, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in sweep.rglob("*")} == before
     # the same sweep again is fine: both jobs are skipped, their provenance untouched
     provenance = hydra_files(sweep)
-    again = cli(["-m", "scale=1,2", *TINY, "steps=1", f"hydra.sweep.dir={sweep}", "wandb.mode=offline"])
+    again = cli(["-m", "scale=1,2", "fix=true", *TINY, "steps=1", f"hydra.sweep.dir={sweep}", "wandb.mode=offline"])
     assert again.returncode == 0 and "skipped" in (job_dirs(sweep)[0] / "run.log").read_text()
     assert hydra_files(sweep) == provenance
 

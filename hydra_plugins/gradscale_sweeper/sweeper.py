@@ -1,4 +1,4 @@
-"""Hydra's basic sweeper with four additions for gradscale sweeps:
+"""Hydra's basic sweeper with these additions for gradscale sweeps:
 
 1. `hydra.sweeper.include`: jobs beyond the grid, each a list of overrides on top of the sweep's fixed
    (not swept) overrides, e.g. a control run at another lr (conf/experiment/world_size_fix.yaml);
@@ -7,7 +7,9 @@
 3. a job that fails is recorded (its summary.json says failed) and the other jobs still run;
 4. the sweep ends with a table of its runs, and exits non-zero if any failed;
 5. job folders are named by the overrides that tell the jobs apart (not `experiment=...`, `smoke=on`, which
-   every job shares), and a re-run keeps each job's existing folder (experiments.sweep.folder_name_overrides).
+   every job shares), and a re-run keeps each job's existing folder (experiments.sweep.folder_name_overrides);
+6. the jobs log to a W&B group named by what the sweep runs and where (experiments.sweep.wandb_group), unless
+   the command sets wandb.group.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from experiments.sweep import (
     check_same_sweep,
     folder_name_overrides,
     format_sweep_table,
+    hydra_quoted,
     is_finished,
     sweep_runs,
+    wandb_group,
 )
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,9 @@ class GradscaleSweeper(BasicSweeper):
         super().__init__(max_batch_size, params)
         self.include = [[str(o) for o in job] for job in include or []]
         self.folders: dict[tuple[str, ...], Path] = {}  # jobs that have a folder in the sweep already
+        self.task: list[str] = []
+        self.preset: str | None = None
+        self.sweep_dir = Path()
 
     def jobs(self, overrides: list[Override]) -> list[list[str]]:
         """Every job's own overrides: the grid (as the basic sweeper builds it), then one per `include` entry."""
@@ -63,16 +70,22 @@ class GradscaleSweeper(BasicSweeper):
         grid = self.jobs(overrides)
         exclude_keys = list(self.config.hydra.job.config.override_dirname.exclude_keys)
         naming = folder_name_overrides(grid, exclude_keys, self.folders)
+        group = [] if any(o.get_key_element() == "wandb.group" for o in overrides) else [
+            "wandb.group=" + hydra_quoted(wandb_group(self.task, dict(self.params or {}), self.preset, self.sweep_dir,
+                                                      exclude_keys))]
         launched = []
         for job, names in zip(grid, naming):
             folder = self.folders.get(tuple(job))
             # a finished job is skipped, and Hydra must not rewrite its .hydra/ (the provenance of its results)
             skipped = ["hydra.output_subdir=null"] if folder is not None and is_finished(folder) else []
-            launched.append([*job, *names, *skipped])
+            launched.append([*job, *group, *names, *skipped])
         size = max_batch_size or len(launched)
         return [launched[i:i + size] for i in range(0, len(launched), size)]
 
     def sweep(self, arguments: list[str]) -> Any:
+        self.task = list(arguments)  # the command's own overrides: they name the sweep's W&B group
+        self.preset = self.config.hydra.runtime.choices.get("experiment")
+        self.sweep_dir = Path(self.config.hydra.sweep.dir)
         try:
             jobs = self._checked_jobs(arguments)
         except ConfigError as e:  # one line and exit 2, as for a single run (Hydra would add a hint line)
