@@ -108,6 +108,8 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
                            clipped_steps=int(clipped_steps), resumed_from_step=resumed.next_step if resumed else None)
 
     steps = loop.steps
+    # the console gets about ten progress lines a run (and the last step), whatever log_every records
+    progress_every = loop.log_every * max(1, round(steps / 10 / loop.log_every))
     for step in range(start.next_step, steps):
         inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
         loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, loop.grad_accum,
@@ -143,10 +145,9 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
                 {"step": step, **record, LR: optimizer.param_groups[0]["lr"],
                  TOKENS: num_tokens, TOKENS_PER_S: tokens_per_s}
             )
-            log.info(
-                "step %d/%d | loss %.4f | grad_norm %.3e | %.0f tok/s",
-                step, steps, record[TRAIN_LOSS], record[GRAD_NORM], tokens_per_s,
-            )
+            if step % progress_every == 0 or step == steps - 1:
+                log.info("step %d/%d | loss %.4f | grad_norm %.3e | %.0f tok/s",
+                         step, steps, record[TRAIN_LOSS], record[GRAD_NORM], tokens_per_s)
             final_loss = record[TRAIN_LOSS]
             if not (math.isfinite(record[TRAIN_LOSS]) and math.isfinite(record[GRAD_NORM])):
                 log.warning("non-finite loss or grad norm at step %d: run diverged", step)
