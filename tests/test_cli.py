@@ -346,3 +346,20 @@ def test_a_model_presets_recommended_recipe_is_checked(recommended, key):
 
     with pytest.raises(ConfigError, match=re.escape(key)):
         ModelConfig(name="preset", init="random", recommended=recommended).check()
+
+
+def test_the_same_sweep_twice_from_a_cold_cache_writes_the_same_bits(cli, tmp_path):
+    """As `make sweep` runs it (two jobs side by side, one thread each), each time building the pretrained base
+    into an empty cache: the bases and every metric record are identical, timings aside."""
+    args = ["-m", "scale=1,8", "fix=true", "hydra/launcher=local_parallel", *TINY, "model.init=pretrained",
+            "model.pretrain.steps=10", "model.pretrain.batch_size=8", "model.pretrain.seq_len=64"]
+    metrics, bases = [], []
+    for attempt in ("a", "b"):
+        cache = tmp_path / f"cache_{attempt}"
+        proc = cli([*args, f"hydra.sweep.dir={tmp_path / attempt}"], extra_env={"GRADSCALE_CACHE": str(cache)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        bases.append([p.read_bytes() for p in sorted(cache.rglob("model.safetensors"))])
+        metrics.append({d.name: [{k: v for k, v in r.items() if k != "perf/tokens_per_s"} for r in read_metrics(d)]
+                        for d in job_dirs(tmp_path / attempt)})
+    assert len(bases[0]) == 1 and bases[0] == bases[1]
+    assert len(metrics[0]) == 2 and metrics[0] == metrics[1]
