@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from analysis.load import curve, read_jsonl, short_number
 from analysis.tables import pair_references
 from analysis.theory import Histogram, eps_dominated_share, histogram_of, tensor_group, update_rms_ratio
+from experiments.checks import CommandParser
 from experiments.optimizers import advisable
 from experiments.optimizers import entry as optimizer_entry
 from experiments.records import UPDATE_RMS
@@ -257,11 +258,11 @@ def check_options(world_sizes: str | None, scales: str | None, eps: float | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.advise", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="Verdicts: update-RMS ratio >= 0.99 within 1%, >= 0.90 noticeable, "
-                                            "below broken.\n\nexample: python -m analysis.advise RUN_DIR "
-                                            "--world-sizes 8,64,1024 (RUN_DIR: python -m experiments.advise's)")
+    parser = CommandParser(prog="python -m analysis.advise", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="Verdicts: update-RMS ratio >= 0.99 within 1%, >= 0.90 noticeable, "
+                                  "below broken.\n\nexample: python -m analysis.advise RUN_DIR "
+                                  "--world-sizes 8,64,1024 (RUN_DIR: python -m experiments.advise's)")
     parser.add_argument("run_dir", type=Path, help="an AdamW run folder with sqrt(v_hat) histograms "
                         "(adam_stats_every set; python -m experiments.advise makes one)")
     parser.add_argument("--world-sizes", default=",".join(map(str, DEFAULT_WORLD_SIZES)),

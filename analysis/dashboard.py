@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from analysis.load import logged_group, read_jsonl, run_dirs
+from experiments.checks import CommandParser
 from experiments.frequency import BUCKETS
 from experiments.metrics import write_text_atomic
 from experiments.records import (
@@ -253,7 +254,7 @@ def save_online(workspace, report, entity: str, project: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m analysis.dashboard", description=__doc__.split("\n\n")[1])
+    parser = CommandParser(prog="python -m analysis.dashboard", description=__doc__.split("\n\n")[1])
     parser.add_argument("sweep", type=Path, help="sweep folder (the hydra.sweep.dir of python -m experiments.run -m)")
     parser.add_argument("--entity", help="W&B entity (user or team) that owns the project; needed to save, not "
                                          f"for --dry-run (whose specs then name {PLACEHOLDER_ENTITY!r})")

@@ -8,10 +8,11 @@ committed beside the .py unless --out names it (scripts/make_figures.sh does, fr
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
+
+from experiments.checks import CommandParser
 
 
 class NotebookError(RuntimeError):
@@ -63,7 +64,7 @@ def execute(notebook_py: Path, sweep_dir: Path, out: Path | None = None, timeout
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m analysis.notebook",
         description="Execute an analysis notebook headless on a sweep and write the .ipynb with its outputs "
                     "(figures and tables) into the sweep folder.",

@@ -7,7 +7,6 @@ status. Figures that do not apply are skipped with a one-line reason.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import sys
@@ -29,6 +28,7 @@ from analysis.tables import (
     summary_table,
     theory_table,
 )
+from experiments.checks import CommandParser
 from experiments.frequency import BUCKETS
 from experiments.records import EPS_DOMINATED, EVAL_LOSS, eval_loss_of
 
@@ -171,7 +171,7 @@ def log_to_wandb(paths: list[Path], out: Path, figures: list[Path], mode: str, p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.report", description=__doc__.split("\n\n")[1])
+    parser = CommandParser(prog="python -m analysis.report", description=__doc__.split("\n\n")[1])
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep folders or run folders")
     parser.add_argument("--out", type=Path, help="output folder (default: FIRST_SWEEP/report)")
     parser.add_argument("--wandb", action="store_true", help="also log figures and runs table to W&B")

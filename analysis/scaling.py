@@ -14,7 +14,6 @@ scaling.png into --out (default: the first SWEEP_DIR's report/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -28,6 +27,7 @@ from analysis.advise import WITHIN, AdviseError, load_histograms
 from analysis.load import short_number
 from analysis.plots import plain_ticks
 from analysis.theory import BIN_LOW, Histogram, update_rms_ratio
+from experiments.checks import CommandParser
 from experiments.records import HIST_BINS_PER_DECADE
 from experiments.sweep import job_dirs, render_table
 
@@ -237,9 +237,9 @@ def format_tables(table: pd.DataFrame, fitted: pd.DataFrame) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m analysis.scaling", description=__doc__.split("\n\n")[0],
-                                     epilog="example: python -m analysis.scaling SWEEP_DIR --point RUN_DIR, "
-                                            "SWEEP_DIR from python -m experiments.run -m experiment=width_scaling")
+    parser = CommandParser(prog="python -m analysis.scaling", description=__doc__.split("\n\n")[0],
+                           epilog="example: python -m analysis.scaling SWEEP_DIR --point RUN_DIR, "
+                                  "SWEEP_DIR from python -m experiments.run -m experiment=width_scaling")
     parser.add_argument("sweeps", nargs="+", type=Path, help="sweep folders (or run folders) of AdamW runs with "
                         "sqrt(v_hat) histograms, e.g. experiment=width_scaling's")
     parser.add_argument("--point", type=Path, action="append", default=[],
@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             check_writable("--out", out)  # before reading the runs, not after the fits
         except ConfigError as e:
             raise AdviseError(str(e)) from None
+        for point in args.point:
+            if not point.is_dir():
+                raise AdviseError(f"error: --point={str(point)!r} is not a run folder (it does not exist)")
         table = collect(args.sweeps, args.eps)
         points = pd.DataFrame([measure(p, args.eps) for p in args.point]) if args.point else None
         if points is not None:

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from experiments.checks import ConfigError, override_key
+from experiments.checks import CommandParser, ConfigError, override_key
 from experiments.optimizers import advisable
 
 DEFAULT_STEPS = 20
@@ -115,7 +115,7 @@ def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m experiments.advise", description=__doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog="examples:\n" + __doc__.split("\n\n")[2])
     parser.add_argument("overrides", nargs="*", help="the run's config overrides (key=value), as for experiments.run")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scales", help="comma-separated multipliers c instead, e.g. 1e-4,1e-5")
     parser.add_argument("--eps", type=float, help="predict for this eps (default: the run's optimizer.eps)")
     parser.add_argument("--json", type=Path, help="also write every step's predictions to this file")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
     from analysis import advise
 
     try:

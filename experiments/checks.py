@@ -3,8 +3,10 @@ the suite's own), so every config section, wherever it is defined, checks itself
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +67,12 @@ def check_writable(key: str, folder: Path) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         what = "is not a folder" if not existing.is_dir() else "is not writable"
         raise ConfigError(f"error: {key}={str(folder)!r} cannot be written: {existing} {what}")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for every command: a bad flag gets one line, `error: --flag VALUE: why`, and exit 2, as every
+    other bad input (argparse prints its usage block above the error)."""
+
+    def error(self, message: str):
+        message = re.sub(r"^argument (\S+): \1 ", r"\1 ", message)  # "--flag VALUE: why", the flag once
+        self.exit(2, f"error: {message.removeprefix('argument ')} ({self.prog} --help lists the flags)\n")

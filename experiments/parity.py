@@ -20,7 +20,6 @@ test in tests/test_parallel.py, which injects the known bugs and checks that thi
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.checks import CommandParser
 from experiments.data import IGNORE_INDEX
 from experiments.recipes import RECIPES
 from experiments.sweep import render_table
@@ -171,9 +171,9 @@ def format_table(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.parity", description=__doc__.split("\n\n")[0],
-                                     epilog="example: python -m experiments.parity --world-size 4 --strategy fsdp2 "
-                                            "(exits non-zero when a recipe misses its expectation)")
+    parser = CommandParser(prog="python -m experiments.parity", description=__doc__.split("\n\n")[0],
+                           epilog="example: python -m experiments.parity --world-size 4 --strategy fsdp2 "
+                                  "(exits non-zero when a recipe misses its expectation)")
     parser.add_argument("--world-size", type=int, default=2, choices=range(2, 9), metavar="N (2..8)",
                         help="real gloo ranks, one process each (default: 2)")
     parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp",

@@ -24,6 +24,8 @@ import os
 import sys
 from pathlib import Path
 
+from experiments.checks import CommandParser
+
 log = logging.getLogger(__name__)
 
 
@@ -175,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     from experiments.config import PretrainConfig
 
     keys = [f"  model.pretrain.{f.name}={f.default:g}".ljust(34) + RECIPE_KEYS[f.name] for f in fields(PretrainConfig)]
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="python -m experiments.pretrain", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Build the suite's own pretrained base for the model these overrides compose (the one a run\n"
                     "with model.init=pretrained fine-tunes), or find it in the cache, and print its directory.",
@@ -195,7 +197,7 @@ def main(argv: list[str]) -> int:
     from experiments.config import validate
     from experiments.hydra_glue import compose, refuse_unknown_keys, to_object, unknown_option_problem
 
-    argv = build_parser().parse_args(argv).overrides
+    argv = build_parser().parse_intermixed_args(argv).overrides
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s", stream=sys.stderr)
     from experiments.cache import keep_freed_memory
 

@@ -72,6 +72,7 @@ CODE = Path(os.environ.get("GRADSCALE_BENCH_CODE", ROOT))
 sys.path.insert(0, str(CODE))
 
 from experiments import cache  # noqa: E402  (after the path: the script runs from anywhere)
+from experiments.checks import CommandParser  # noqa: E402
 
 
 def build(overrides: list[str]):
@@ -457,11 +458,11 @@ def print_memory(peaks: dict[str, dict[int, float]], n_params: dict[int, int]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/bench.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="examples (docs/performance.md):\n"
-                                            "  python scripts/bench.py --repeats 30 --allocator 3 --sweep 3\n"
-                                            "  python scripts/bench.py --memory 5")
+    parser = CommandParser(prog="python scripts/bench.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="examples (docs/performance.md):\n"
+                                  "  python scripts/bench.py --repeats 30 --allocator 3 --sweep 3\n"
+                                  "  python scripts/bench.py --memory 5")
     parser.add_argument("overrides", nargs="*", help="the suite's config overrides, e.g. model=llama3_2_1b")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run (>= 1; default 50, "
                         f"with --real-model {REAL_STEPS}), after "
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --memory
     parser.add_argument("--step-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --real-model
     parser.add_argument("--matmul-probe", metavar="PRECISION", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.memory_probe:
         print(*memory_probe(args.memory_probe, args.overrides))
         return 0

@@ -26,6 +26,9 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the script runs from anywhere
+from experiments.checks import CommandParser  # noqa: E402
+
 CARRY_LIST = ROOT / "scripts" / "device_carry.txt"
 IMAGE_LIST = ROOT / "scripts" / "device_image.txt"
 CALL_LIMIT = 64 * 2**20  # what one device call may carry: the working tree and the wheels together
@@ -116,10 +119,10 @@ def tree_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/device_carry.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="example: python scripts/device_carry.py && "
-                                            "scripts/device_rehearsal.sh")
+    parser = CommandParser(prog="python scripts/device_carry.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="example: python scripts/device_carry.py && "
+                                  "scripts/device_rehearsal.sh")
     parser.add_argument("--dir", type=Path, default=ROOT / ".whl",
                         help="where the wheels go (default .whl, which git ignores); replaced whole")
     args = parser.parse_args(argv)

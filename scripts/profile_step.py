@@ -16,18 +16,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the script runs from anywhere
+from experiments.checks import CommandParser  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/profile_step.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="example: python scripts/profile_step.py model=smollm2_135m precision=bf16 "
-                                            "batch_size=16 seq_len=128")
+    parser = CommandParser(prog="python scripts/profile_step.py", description=__doc__.split("\n\n")[0],
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="example: python scripts/profile_step.py model=smollm2_135m precision=bf16 "
+                                  "batch_size=16 seq_len=128")
     parser.add_argument("overrides", nargs="*", help="the suite's config overrides, e.g. model=smollm2_135m")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 0)")
     parser.add_argument("--timed", type=int, default=3, help="timed steps before the profiled one (>= 1)")
     parser.add_argument("--rows", type=int, default=25, help="rows of each table (>= 1)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     for name in ("warmup", "timed", "rows"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name}={getattr(args, name)} is out of range (see --help)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from experiments.audit import (
     report,
     resolve_target,
 )
+from experiments.checks import CommandParser
 
 
 def sizes(flag: str):
@@ -36,18 +36,10 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """Bad flags get one line, as every other error of the audit (argparse adds the usage above it)."""
-
-    def error(self, message: str):
-        message = re.sub(r"^argument (\S+): \1 ", r"\1 ", message)  # "--flag VALUE: why", the flag once
-        self.exit(2, f"error: {message.removeprefix('argument ')}\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     targets = builtin_targets()
     listing = "\n".join(f"  {name:32s} {summary}" for name, (_, summary) in targets.items())
-    parser = OneLineParser(
+    parser = CommandParser(
         prog="python -m experiments.audit", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a training step on N real gloo ranks with K micro-batches of accumulation, on one "
                     "ragged global batch, and compare the gradient its optimizer receives with the one-process "
