@@ -5,7 +5,8 @@ The estimate (bytes) is the sum of
 - weights: 4 per parameter (fp32 master weights, also under precision=bf16, which autocasts);
 - gradients: 4 per trained parameter;
 - optimizer state (a training run, not the gradient-only advisor): Adam's two moments, 8 per trained
-  parameter, and the loop's update measurement, which copies an eighth of the weights at a time;
+  parameter, the temporaries of its foreach step (about one more copy, 4), and the loop's update
+  measurement, which copies an eighth of the weights at a time;
 - activations kept for the backward pass of one micro-batch, per token and layer: about 10 hidden-size and
   4 intermediate-size vectors (the attention projections, residuals, norms and SwiGLU's gate, up, product),
   the attention probabilities (heads x sequence length) where the attention is not fused, at 2 bytes per
@@ -83,7 +84,7 @@ def estimate(cfg, device_type: str, optimizer_state: bool, sequences_per_forward
     attention = arch.num_attention_heads * cfg.seq_len if device_type == "cpu" else 0  # CUDA: fused (SDPA)
     per_token_layer = (10 * hidden + 4 * arch.intermediate_size + attention) * element
     activations = tokens * layers * per_token_layer + 3 * tokens * arch.vocab_size * 4
-    state = 8 * trained + 4 * trained // 8 if optimizer_state else 0
+    state = 12 * trained + 4 * trained // 8 if optimizer_state else 0
     return MemoryEstimate(4 * total, 4 * trained, state, activations, FRAMEWORK_BYTES.get(device_type, 0))
 
 
