@@ -11,6 +11,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export WANDB_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precision width_scaling smollm2_world_size_fix smollm2_breakdown}
+# the user's command as `make sweep` runs it (README's first screen quotes its report; tests/test_cli.py checks it)
+if [ -z "${*:-}" ]; then
+  rm -rf multirun/figures/default_sweep
+  env -u OMP_NUM_THREADS make sweep SWEEP_DIR=multirun/figures/default_sweep
+  "$PY" -m analysis.report multirun/figures/default_sweep --out docs/figures/default_sweep
+fi
 for name in $studies; do
   rm -rf "multirun/figures/$name"
   STUDY_DIR="multirun/figures/$name" PYTHON="$PY" scripts/study.sh "$name" wandb.mode=disabled

@@ -363,3 +363,24 @@ def test_the_same_sweep_twice_from_a_cold_cache_writes_the_same_bits(cli, tmp_pa
                         for d in job_dirs(tmp_path / attempt)})
     assert len(bases[0]) == 1 and bases[0] == bases[1]
     assert len(metrics[0]) == 2 and metrics[0] == metrics[1]
+
+
+def test_the_readme_quotes_the_default_sweeps_committed_report():
+    """README's first screen against docs/figures/default_sweep, the user's command as `make sweep` runs it
+    (scripts/make_figures.sh): every final loss in its table, and AdamW's deviations in its text."""
+    import pandas as pd
+
+    from analysis.load import short_number
+    from tests.conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index(": 8 runs\noverrides"):readme.index("figures and report.md: python -m analysis.report")]
+    summary = pd.read_csv(ROOT / "docs" / "figures" / "default_sweep" / "summary.csv")
+    assert len(summary) == 8 and set(summary.c_eff) == {0.125, 1.0, 8.0}
+    for row in summary.itertuples():
+        line, = [line for line in table.splitlines() if line.startswith(f"fix={row.fix} optimizer={row.setup} "
+                                                                        f"scale={row.scale:g} ")]
+        assert line.split()[4] == f"{row._7:.4f}", line  # final loss
+    adamw = summary[summary.setup == "adamw"].set_index("c_eff")["max abs Δloss vs ref"]
+    assert f"max |Δ loss| {short_number(adamw[0.125], 2)} at 1/8, {short_number(adamw[8.0], 2)} at 8" in readme
+    assert adamw[1.0].tolist() == [0.0, 0.0]  # fix off at scale 8 is fix on at scale 1, bit for bit
