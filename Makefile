@@ -1,4 +1,4 @@
-# make sweep: the default sweep (4 fine-tunes) on this machine.   make test: ruff + the whole pytest suite.
+# make sweep: the default sweep (8 fine-tunes: the fix on and off) on this machine.   make test: ruff + the whole pytest suite.
 # make test-fast: ruff + the tests not marked slow, distributed or gpu (the edit loop).
 # Both create .venv if missing and install the project into it (editable, with the dev extra).
 # make test also prepares the GPU check's carry (.whl/) and its rehearsal environment (.rehearsal/), which

@@ -34,7 +34,8 @@ runpy.run_module("experiments.run", run_name="__main__", alter_sys=True)
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, cache_dir) -> Path:
-    """A four-job sweep (sgd, adamw x scale 1, 8) whose runs asked for W&B, and analysis.report's output."""
+    """A four-job sweep (sgd, adamw x scale 1, 8; the fix pinned on) whose runs asked for W&B, and analysis.report's
+    output."""
     sweep = tmp_path_factory.mktemp("dashboard") / "dash_sweep"
     args = ["-m", "optimizer=sgd,adamw", "scale=1,8", "fix=true", *TINY, "wandb.mode=offline",
             f"hydra.sweep.dir={sweep}"]
