@@ -83,7 +83,7 @@ def preflight(overrides: list[str], gradient_only: bool):
     advice = "lower batch_size or seq_len, raise grad_accum" + ("" if gradient_only else ", or use --gradient-only")
     memory.check_fits(needed, device_type, what, advice)
     print(f"advise: {what} needs about {needed.describe()} on {device_type}", flush=True)
-    return cfg, run_cfg, device_type
+    return cfg, run_cfg
 
 
 def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides, run_dir = reference_overrides(args.overrides)
         advise.check_options(args.world_sizes, args.scales, args.eps, args.json, None)  # before the run, not after
-        cfg, run_cfg, _ = preflight(overrides, args.gradient_only)
+        cfg, run_cfg = preflight(overrides, args.gradient_only)
     except (AdviseError, advise.AdviseError, ConfigError) as e:
         print(e, file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from pathlib import Path
 from experiments.checks import ConfigError
 
 GIB = 2**30
-FRAMEWORK_BYTES = {"cpu": GIB // 2, "cuda": GIB // 2}
+FRAMEWORK_BYTES = GIB // 2
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def estimate(cfg, device_type: str, optimizer_state: bool, sequences_per_forward
     per_token_layer = (10 * hidden + 4 * arch.intermediate_size + attention) * element
     activations = tokens * layers * per_token_layer + 3 * tokens * arch.vocab_size * 4
     state = 12 * trained + 4 * trained // 8 if optimizer_state else 0
-    return MemoryEstimate(4 * total, 4 * trained, state, activations, FRAMEWORK_BYTES.get(device_type, 0))
+    return MemoryEstimate(4 * total, 4 * trained, state, activations, FRAMEWORK_BYTES)
 
 
 def free_memory(device_type: str) -> tuple[int, str]:

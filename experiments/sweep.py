@@ -185,7 +185,7 @@ def wandb_group(task: list[str], params: dict[str, Any], preset: str | None, swe
         shown += [f"{key}={value}" for key, value in params.items() if key not in keys]
     where = " @ " + "/".join(Path(sweep_dir).parts[-2:])
     what = " ".join(shown).replace("=", ":") or "defaults"
-    return what[:max(0, 128 - len(where))] + where[:128]
+    return (what[:max(0, 128 - len(where))] + where)[:128]
 
 
 def sweep_runs(sweep_dir: Path) -> list[dict[str, Any]]:

@@ -89,7 +89,8 @@ def parser_of(main) -> argparse.ArgumentParser:
         seen.append(self)
         raise _Parsed
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), pytest.raises(_Parsed):
+    # parse_known_args: what parse_args and parse_intermixed_args both end in
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture), pytest.raises(_Parsed):
         main([])
     return seen[0]
 
@@ -100,6 +101,8 @@ def _script_main(name: str):
 
 COMMANDS = {
     "analysis.report": lambda: importlib.import_module("analysis.report").main,
+    "analysis.dashboard": lambda: importlib.import_module("analysis.dashboard").main,
+    "experiments.audit": lambda: importlib.import_module("experiments.audit.__main__").main,
     "analysis.notebook": lambda: importlib.import_module("analysis.notebook").main,
     "analysis.advise": lambda: importlib.import_module("analysis.advise").main,
     "analysis.scaling": lambda: importlib.import_module("analysis.scaling").main,
@@ -123,12 +126,14 @@ def test_every_option_of_every_command_has_help(command):
 
 
 def test_the_argparse_commands_are_all_covered():
-    """A new command with argparse gets its options' help checked too: add it to COMMANDS."""
+    """A new command gets its options' help and its bad flags checked too: add it to COMMANDS (and BAD_FLAGS)."""
     found = set()
-    for path in (p for folder in ("analysis", "experiments", "scripts") for p in (ROOT / folder).glob("*.py")):
-        if "ArgumentParser(" in path.read_text():
-            found.add(f"scripts/{path.name}" if path.parent.name == "scripts" else f"{path.parent.name}.{path.stem}")
-    assert found - set(COMMANDS) <= {"analysis.dashboard"}  # its own tests, tests/test_dashboard.py
+    for path in (p for folder in ("analysis", "experiments", "scripts") for p in (ROOT / folder).rglob("*.py")):
+        if "CommandParser(" in path.read_text() and path.name != "checks.py":
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__main__")
+            found.add(f"scripts/{path.name}" if path.parent.name == "scripts" else module)
+        assert "argparse.ArgumentParser(" not in path.read_text() or path.name == "checks.py", path  # one line
+    assert found == set(COMMANDS) and found == {command for command, _, _ in BAD_FLAGS}
 
 
 def test_pretrain_help_lists_the_recipe_with_its_defaults(capsys):
@@ -143,3 +148,70 @@ def test_pretrain_help_lists_the_recipe_with_its_defaults(capsys):
     text = capsys.readouterr().out
     for f in fields(PretrainConfig):
         assert f"model.pretrain.{f.name}={f.default:g} " in text
+
+
+# every command (experiments.run's config values: test_cli.py), each bad flag: (command, argv, what the line says);
+# MISSING is a path that does not exist, OUT a folder that must not appear, BLOCKED a path under a plain file
+BAD_FLAGS = [
+    ("analysis.report", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("analysis.report", ["MISSING"], "MISSING does not exist"),
+    ("analysis.report", ["SWEEP", "--out", "BLOCKED"], "--out='BLOCKED' cannot be written"),
+    ("analysis.report", ["SWEEP", "--wandb-mode", "sometimes"], "--wandb-mode: invalid choice: 'sometimes'"),
+    ("analysis.dashboard", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("analysis.dashboard", ["MISSING", "--dry-run"], "MISSING does not exist"),
+    ("analysis.scaling", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("analysis.scaling", ["MISSING"], "sweep folder 'MISSING' does not exist"),
+    ("analysis.scaling", ["SWEEP", "--eps=-1"], "--eps=-1.0 must be > 0"),
+    ("analysis.scaling", ["SWEEP", "--out", "BLOCKED"], "--out='BLOCKED' cannot be written"),
+    ("analysis.scaling", ["SWEEP", "--point", "MISSING"], "--point='MISSING' is not a run folder"),
+    ("analysis.notebook", ["NOTEBOOK", "SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("analysis.notebook", ["MISSING", "SWEEP"], "MISSING is not a notebook"),
+    ("analysis.advise", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("analysis.advise", ["MISSING"], "run folder 'MISSING' does not exist"),
+    ("experiments.advise", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("experiments.advise", ["--world-sizes", "8,abc"], "--world-sizes='8,abc' is not a comma-separated list"),
+    ("experiments.advise", ["--eps=0"], "--eps=0.0 must be > 0"),
+    ("experiments.advise", ["--json", "BLOCKED"], "--json='BLOCKED'"),
+    ("experiments.advise", ["scale=8"], "scale=8 is not allowed"),
+    ("experiments.advise", ["optimizer=sgd"], "optimizer=sgd is not allowed"),
+    ("experiments.advise", ["--gradient-only", "optimizer=bogus"], "optimizer=bogus is not allowed"),
+    ("experiments.advise", ["--gradient-only", "steps=0"], "steps=0 is not allowed"),
+    ("experiments.advise", ["--gradient-only", "model=gpt2"], "model=gpt2 is not allowed: one of"),
+    ("experiments.audit", ["global_token_mean", "--bogus"], "unrecognized arguments: --bogus"),
+    ("experiments.audit", ["nope"], "target 'nope' is neither a built-in target"),
+    ("experiments.audit", ["global_token_mean", "--world-sizes", "3"], "--world-sizes 3: each must be one of"),
+    ("experiments.parity", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("experiments.parity", ["--world-size", "1"], "--world-size: invalid choice: 1"),
+    ("experiments.pretrain", ["--bogus"], "--bogus"),
+    ("experiments.pretrain", ["model.pretrain.steps=-1"], "model.pretrain.steps=-1 is not allowed"),
+    ("scripts/bench.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("scripts/bench.py", ["--steps", "0"], "--steps=0 must be >= 1"),
+    ("scripts/profile_step.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("scripts/device_carry.py", ["--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize(("command", "argv", "says"), BAD_FLAGS, ids=[f"{c} {' '.join(a)}" for c, a, _ in BAD_FLAGS])
+def test_every_command_refuses_each_bad_flag_in_one_line_before_any_work(tmp_path, capsys, monkeypatch, command,
+                                                                         argv, says):
+    sweep, out = tmp_path / "sweep", tmp_path / "out"
+    sweep.mkdir()
+    (tmp_path / "a_file").write_text("")
+    paths = {"MISSING": str(tmp_path / "missing"), "SWEEP": str(sweep), "BLOCKED": str(tmp_path / "a_file" / "x"),
+             "NOTEBOOK": str(ROOT / "analysis" / "notebooks" / "01_world_size_fix.py")}
+    argv = [paths.get(a, a) for a in argv] + (["--out", str(out)] if command == "analysis.dashboard" else [])
+    if command.startswith("experiments.") and command not in ("experiments.audit", "experiments.parity"):
+        argv.append(f"hydra.run.dir={out}")
+    says = paths["MISSING"].join(paths["BLOCKED"].join(says.split("BLOCKED")).split("MISSING"))
+    monkeypatch.chdir(tmp_path)  # anything a command would write by default lands here, where it is looked for
+    main = COMMANDS[command]()
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2, (code, captured.err)
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], captured.err
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "sweep"]
+    assert not any(sweep.iterdir())
