@@ -179,9 +179,14 @@ def _same(a: pd.Series, b: pd.Series) -> str | None:
 
 def _coincidence(label: str, drawn: dict[tuple[str, str], pd.Series]) -> str:
     """' (identical to X)' when, in every panel where both were drawn, this label's series equals an earlier
-    label's exactly; ' (≈ X)' when within 0.1% in all of them."""
+    label's exactly; ' (≈ X)' when within 0.1% in all of them. A line that is one value throughout says so
+    instead (' (exactly 0 throughout)': a run equal to its reference in a difference plot), whatever else
+    is that value too: two flat lines of different runs say nothing about each other."""
     labels = list(dict.fromkeys(lab for _, lab in drawn))
     mine = {key: s for (key, lab), s in drawn.items() if lab == label}
+    values = np.concatenate([s.to_numpy(float) for s in mine.values()]) if mine else np.array([])
+    if len(values) > 1 and np.isfinite(values).all() and (values == values[0]).all():
+        return f" (exactly {short_number(float(values[0]))} throughout)"
     for other in labels[: labels.index(label)]:
         common = [key for key in mine if (key, other) in drawn]
         verdicts = {_same(mine[key], drawn[key, other]) for key in common}

@@ -111,6 +111,14 @@ def test_curve_plots(maker, n_axes):
         assert isinstance(share.yaxis.get_major_formatter(), matplotlib.ticker.PercentFormatter)
 
 
+def test_a_flat_line_says_its_value_not_that_it_equals_another_runs():
+    zeros = pd.Series([0.0, 0.0, 0.0])
+    drawn = {("unseen", "sgd"): zeros, ("unseen", "adamw"): zeros.copy(), ("rare", "adamw"): zeros.copy(),
+             ("unseen", "lion"): pd.Series([0.0, 1.0, 2.0]), ("unseen", "lion twin"): pd.Series([0.0, 1.0, 2.0])}
+    assert plots._coincidence("adamw", drawn) == plots._coincidence("sgd", drawn) == " (exactly 0 throughout)"
+    assert plots._coincidence("lion twin", drawn) == " (identical to lion)"
+
+
 def test_a_panel_of_two_coinciding_lines_says_both():
     same = pd.Series([1.0, 2.0, 3.0])
     assert plots._panel_note([same, same.copy()]) == "both lines identical"
