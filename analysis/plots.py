@@ -17,9 +17,10 @@ import pandas as pd
 from matplotlib import ticker
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from analysis.load import curve, short_number
-from analysis.tables import max_divergence, one_percent_thresholds, pair_references
+from analysis.tables import max_divergence, one_percent_thresholds, pair_references, seed_siblings
 from analysis.theory import clipped_share as predicted_clipped_share
 from experiments.records import EPS_DOMINATED, GRAD_NORM, TRAIN_LOSS, UPDATE_RMS, eval_loss_of, output_update_rms_of
 
@@ -550,12 +551,23 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     }[what]
     several_setups = runs.setup.nunique() > 1
     plot = CurveFigure(titles.values(), title)
+    siblings, banded = seed_siblings(runs), {}
     for r, reference in _paired(runs):
         label = (f"{r.setup} " if several_setups else "") + _label(r, runs)
         for bucket in BUCKETS:
             run_curve, ref_curve = (curve(curves, name, metric(bucket)) for name in (r.run, reference))
             series = run_curve - ref_curve if what == "loss" else run_curve / ref_curve
             plot.draw(titles[bucket], series.dropna(), label)
+        seeds = siblings.get(reference, [])
+        if what == "loss" and len(seeds) >= 2 and reference not in banded:  # what the data order alone does
+            banded[reference] = len(seeds)
+            for bucket in BUCKETS:
+                spread = pd.concat({s: curve(curves, s, metric(bucket)) for s in seeds}, axis=1).dropna().std(
+                    axis=1, ddof=1)
+                plot.axes[titles[bucket]].fill_between(spread.index, -2 * spread, 2 * spread, color="0.88", lw=0,
+                                                       zorder=0, gid="seed band")
     for ax in plot.axes.values():
         ax.axhline(level, color="0.5", lw=0.8, ls=":", gid="level")
-    return plot.finish("step", ylabel)
+    band = [Patch(color="0.88", label=f"±2 seed standard deviations around the reference ({n} seeds: the data "
+                                      "order alone)") for n in sorted(set(banded.values()))]
+    return plot.finish("step", ylabel, band)

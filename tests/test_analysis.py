@@ -488,3 +488,27 @@ def test_read_jsonl_reads_a_gzipped_file_beside_the_name(tmp_path):
     (tmp_path / "adam_stats.jsonl").write_text(text + '{"step": 2, "x"')  # the plain file wins; torn line skipped
     assert read_jsonl(tmp_path / "adam_stats.jsonl") == records
     assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_token_frequency_loss_shades_two_seed_standard_deviations_around_the_reference():
+    runs, curves = synthetic(c_values=(1.0, 8.0), optimizers=("adamw",))
+    repeats = runs[runs.scale == 1.0].copy()
+    rows = []
+    for seed, offset in ((0, 0.0), (1, 0.01), (2, -0.03)):  # the reference repeated at other data orders
+        if seed:
+            repeat = repeats.assign(seed=seed, run=f"adamw-seed{seed}")
+            runs = pd.concat([runs, repeat], ignore_index=True)
+        name = "adamw-0.001-1" if seed == 0 else f"adamw-seed{seed}"
+        rows += [(name, step, "eval/loss_rare", 3.0 + offset) for step in (2, 4)]
+    rows += [("adamw-0.001-8", step, "eval/loss_rare", 3.05) for step in (2, 4)]
+    curves = pd.concat([curves, pd.DataFrame(rows, columns=curves.columns)], ignore_index=True)
+    fig = plots.token_frequency(runs, curves, "loss")
+    rare = next(ax for ax in fig.axes if ax.get_title().startswith("rare"))
+    band, = [c for c in rare.collections if c.get_gid() == "seed band"]
+    std = np.std([0.0, 0.01, -0.03], ddof=1)
+    assert np.isclose(band.get_paths()[0].vertices[:, 1].max(), 2 * std)  # ±2 std of the three seeds, around 0
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any(t.startswith("±2 seed standard deviations around the reference (3 seeds") for t in legend)
+    runs_without_repeats = runs[runs.seed == 0]
+    assert not [c for ax in plots.token_frequency(runs_without_repeats, curves, "loss").axes
+                for c in ax.collections if c.get_gid() == "seed band"]
