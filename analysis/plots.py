@@ -131,11 +131,12 @@ def _single(title: str, size: tuple[float, float] = (6.0, 3.6)):
 
 
 def _legend(fig: Figure, handles) -> None:
-    """Below the panels, in as many columns as the labels' length allows: the figure keeps its width and
-    grows in height by the legend's, so the panels keep theirs."""
+    """Below the panels, in as many columns (at most 3) as the labels' length and the figure's width allow
+    (about 12 characters an inch at this size): the figure keeps its width and grows in height by the
+    legend's, so the panels keep theirs."""
     if handles:
         longest = max(len(h.get_label().split("\n")[0]) for h in handles)
-        columns = 3 if longest < 22 else 2 if longest < 48 else 1
+        columns = max(1, min(3, int(fig.get_figwidth() * 12 // (longest + 6))))
         rows = -(-len(handles) // columns) + max(h.get_label().count("\n") for h in handles)
         fig.set_figheight(fig.get_figheight() + 0.2 * rows + 0.15)
         fig.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize=8.5, frameon=False)
@@ -262,7 +263,8 @@ def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
     pairs = [(r, (curve(curves, r.run, TRAIN_LOSS) - curve(curves, ref, TRAIN_LOSS)).abs())
              for r, ref in _paired(runs)]
     top = _top([d.to_numpy() for r, d in pairs if not _diverged(r, d)], 3.0)
-    plot = CurveFigure(runs.setup, "|loss - loss(reference: scale 1, fix on)|", log_y=True)
+    plot = CurveFigure([r.setup for r, _ in pairs] or runs.setup, "|loss - loss(reference: scale 1, fix on)|",
+                       log_y=True)
     for r, delta in pairs:
         plot.draw(r.setup, delta, _label(r, runs), top=top)
     return plot.finish("step", "|Δ loss|")
@@ -274,7 +276,7 @@ def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
     pairs = [(r, curve(curves, r.run, GRAD_NORM) / curve(curves, ref, GRAD_NORM))
              for r, ref in _paired(runs)]
     top = _top([q.to_numpy() for r, q in pairs if not _diverged(r, q)] + [np.array([r.c_eff]) for r, _ in pairs], 3.0)
-    plot = CurveFigure(runs.setup, "grad norm / grad norm(reference)", log_y=True)
+    plot = CurveFigure([r.setup for r, _ in pairs] or runs.setup, "grad norm / grad norm(reference)", log_y=True)
     for r, ratio in pairs:
         line = plot.draw(r.setup, ratio, _label(r, runs), top=top)
         if line is not None:
@@ -392,9 +394,11 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
 def eps_collapse(runs: pd.DataFrame):
     """Final loss vs c_eff / eps, one line per eps: AdamW(c, eps) == AdamW(1, eps/c) says every run's
     outcome depends on c / eps alone, so the lines fall on one curve (docs/design.md physics 3). Plotted
-    against the outcome itself, not a deviation from each eps's own c = 1 run, which moves with eps."""
+    against the outcome itself, not a deviation from each eps's own c = 1 run, which moves with eps. One data
+    order: repeats at other seeds are left out (they move the outcome at equal c / eps)."""
     fig, ax = _single("AdamW trades c for eps: one curve in c / eps")
     table = runs[runs.eps.notna() & (runs.status == "completed")]
+    table = table[table.seed == table.seed.min()]
     styles, handles = Styles(), []
     for (optimizer, eps), group in table.groupby(["optimizer", "eps"]):
         group = group.sort_values("c_eff")

@@ -512,3 +512,17 @@ def test_token_frequency_loss_shades_two_seed_standard_deviations_around_the_ref
     runs_without_repeats = runs[runs.seed == 0]
     assert not [c for ax in plots.token_frequency(runs_without_repeats, curves, "loss").axes
                 for c in ax.collections if c.get_gid() == "seed band"]
+
+
+def test_a_setup_without_a_reference_gets_no_empty_panel_and_seed_repeats_stay_off_the_eps_curve():
+    runs, curves = synthetic(c_values=(1.0, 8.0), optimizers=("adamw",))
+    lone = runs[runs.scale == 8.0].assign(run="adamw-eps-lone", eps=1.25e-9, setup="adamw eps=1.25e-9")
+    repeat = runs[runs.scale == 1.0].assign(run="adamw-seed1", seed=1, final_loss=4.0)
+    runs = pd.concat([runs, lone, repeat], ignore_index=True)
+    for name in ("adamw-eps-lone", "adamw-seed1"):
+        curves = pd.concat([curves, curves[curves.run == "adamw-0.001-8"].assign(run=name)], ignore_index=True)
+    for maker in (plots.divergence, plots.grad_norm_ratio):
+        panels = [ax.get_title() for ax in maker(runs, curves).axes if ax.get_visible()]
+        assert panels == ["adamw"], panels  # not a second, empty panel for the setup with no reference
+    collapse = plots.eps_collapse(runs).axes[0]
+    assert 4.0 not in {y for line in collapse.get_lines() for y in line.get_ydata()}  # the seed-1 repeat
