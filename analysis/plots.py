@@ -575,3 +575,25 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     band = [Patch(color="0.88", label=f"±2 seed standard deviations around the reference ({n} seeds: the data "
                                       "order alone)") for n in sorted(set(banded.values()))]
     return plot.finish("step", ylabel, band)
+
+
+def advisor_along_run(advisor: pd.DataFrame):
+    """The risk advisor along whole runs: at every recorded step, AdamW's update-RMS ratio to its reference as
+    predicted from the reference's sqrt(v_hat) histogram of that step (dashed) and as measured (solid), one
+    colour per run (analysis.advise.advisor_vs_measured's table)."""
+    fig, ax = _single("The advisor along the run: predicted (dashed), measured (solid)")
+    styles, handles = Styles(), []
+    for (setup, c_eff, _run), group in advisor.groupby(["setup", "c_eff", "run"], sort=False):
+        group = group.sort_values("step")
+        label = f"{setup} c_eff={short_number(c_eff)}"
+        style = styles(label)
+        ax.plot(group.step, group.measured, color=style["color"], marker=style["marker"], ms=4.5, lw=1.3)
+        ax.plot(group.step, group.predicted, color=style["color"], ls="--", lw=1.2)
+        worst = float(group.error.abs().max())
+        handles.append(_handle(f"{label}: largest |predicted / measured - 1| {short_number(worst, 2)}",
+                               {**style, "ls": "-"}))
+    ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
+    ax.set(xlabel="step", ylabel="update RMS / reference's")
+    plain_ticks(ax)
+    _legend(fig, handles)
+    return fig

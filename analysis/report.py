@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 DPI = 200
 
 
-def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callable | None, str]]:
-    """(file stem, figure maker or None, reason when None) for every standard figure."""
+def _figures(runs: pd.DataFrame, curves: pd.DataFrame, advisor: pd.DataFrame) -> list[tuple[str, Callable | None, str]]:
+    """(file stem, figure maker or None, reason when None) for every standard figure; advisor: the table of
+    advisor_vs_measured."""
     paired = pair_references(runs)
     has_pairs = any(ref is not None and ref != run for ref, run in zip(paired, runs.run))
     adam = (curves.metric == EPS_DOMINATED).any()
@@ -67,6 +68,8 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame) -> list[tuple[str, Callab
          else None, no_buckets if not buckets else no_ref),
         ("token_frequency_update", (lambda: plots.token_frequency(runs, curves, "update")) if buckets and has_pairs
          else None, no_buckets if not buckets else no_ref),
+        ("advisor_along_run", (lambda: plots.advisor_along_run(advisor)) if len(advisor) else None,
+         "no AdamW run beside a reference with sqrt(v_hat) histograms (adam_stats_every)"),
     ]
 
 
@@ -86,7 +89,8 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
     runs, curves = load(paths)
     out.mkdir(parents=True, exist_ok=True)
     written, skipped = [], []
-    for stem, make, reason in _figures(runs, curves):
+    advisor = advisor_vs_measured(runs, curves)
+    for stem, make, reason in _figures(runs, curves, advisor):
         if make is None:
             skipped.append(f"- `{stem}`: skipped, {reason}")
             print(f"skipped {stem}: {reason}")
@@ -99,7 +103,6 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
     summary = summary_table(runs, curves)
     theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
     eps_shares = eps_share_table(runs)
-    advisor = advisor_vs_measured(runs, curves)
     band = seed_band_table(runs, curves, [EVAL_LOSS, *(eval_loss_of(b) for b in BUCKETS)])
     run_columns = ["run", "model", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]

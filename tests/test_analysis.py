@@ -331,7 +331,7 @@ def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
     assert main([str(tiny_sweep), "--out", str(tmp_path / "report")]) == 0
     out = tmp_path / "report"
     expected = {"loss_curves", "divergence", "grad_norm_ratio", "breakdown", "lr_separation", "final_loss_heatmap",
-                "adam_state", "lr_axis", "token_frequency_loss", "token_frequency_update"}
+                "adam_state", "lr_axis", "token_frequency_loss", "token_frequency_update", "advisor_along_run"}
     assert {p.stem for p in out.glob("*.png")} == expected
     report = (out / "report.md").read_text()
     assert "## Per setup and scale" in report and report.count("| adamw |") >= 4
@@ -526,3 +526,16 @@ def test_a_setup_without_a_reference_gets_no_empty_panel_and_seed_repeats_stay_o
         assert panels == ["adamw"], panels  # not a second, empty panel for the setup with no reference
     collapse = plots.eps_collapse(runs).axes[0]
     assert 4.0 not in {y for line in collapse.get_lines() for y in line.get_ydata()}  # the seed-1 repeat
+
+
+def test_advisor_along_run_draws_predicted_and_measured_per_run():
+    advisor = pd.DataFrame([{"run": "r8", "setup": "adamw", "c_eff": 0.125, "step": step, "predicted": p, "measured": m,
+                             "error": p / m - 1} for step, p, m in ((0, 0.97, 0.96), (50, 0.91, 0.92))])
+    fig = plots.advisor_along_run(advisor)
+    measured, predicted = [line for line in fig.axes[0].get_lines() if line.get_linestyle() != ":"]
+    assert list(measured.get_ydata()) == [0.96, 0.92] and list(predicted.get_ydata()) == [0.97, 0.91]
+    assert predicted.get_linestyle() == "--"
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    worst = max(abs(0.97 / 0.96 - 1), abs(0.91 / 0.92 - 1))
+    assert legend == [f"adamw c_eff=0.125: largest |predicted / measured - 1| {plots.short_number(worst, 2)}"]
+
