@@ -20,7 +20,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from analysis.load import curve, short_number
-from analysis.tables import max_divergence, one_percent_thresholds, pair_references, seed_siblings
+from analysis.tables import max_divergence, one_percent_thresholds, pair_references, seed_curves, seed_siblings
 from analysis.theory import clipped_share as predicted_clipped_share
 from experiments.records import EPS_DOMINATED, GRAD_NORM, TRAIN_LOSS, UPDATE_RMS, eval_loss_of, output_update_rms_of
 
@@ -566,8 +566,7 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
         if what == "loss" and len(seeds) >= 2 and reference not in banded:  # what the data order alone does
             banded[reference] = len(seeds)
             for bucket in BUCKETS:
-                spread = pd.concat({s: curve(curves, s, metric(bucket)) for s in seeds}, axis=1).dropna().std(
-                    axis=1, ddof=1)
+                spread = seed_curves(curves, seeds, metric(bucket)).std(axis=1, ddof=1)
                 plot.axes[titles[bucket]].fill_between(spread.index, -2 * spread, 2 * spread, color="0.88", lw=0,
                                                        zorder=0, gid="seed band")
     for ax in plot.axes.values():

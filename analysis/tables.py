@@ -259,6 +259,12 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
     return {run: group for group in groups.values() for run in group}
 
 
+def seed_curves(curves: pd.DataFrame, seeds: list[str], metric: str) -> pd.DataFrame:
+    """metric of each seed repeat (a column per run), at the steps they all logged; its row-wise sample std
+    (ddof 1) is what changing nothing but the data order does."""
+    return pd.concat({s: curve(curves, s, metric) for s in seeds}, axis=1).dropna()
+
+
 def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
     """Every run against its reference (or the run the theory calls it equal to), read in units of the seed
     band: at the last step both logged `metric`,
@@ -275,7 +281,7 @@ def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]
         if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
             continue
         for metric in metrics:
-            seeds = pd.concat({s: curve(curves, s, metric) for s in siblings[reference]}, axis=1).dropna()
+            seeds = seed_curves(curves, siblings[reference], metric)
             delta = (curve(curves, r.run, metric) - curve(curves, reference, metric)).dropna()
             steps = seeds.index.intersection(delta.index)
             if steps.empty:

@@ -62,17 +62,12 @@ def preflight(overrides: list[str], gradient_only: bool):
     against what the device has free, before anything is loaded; ConfigError (one line) when any fails."""
     from experiments import memory
     from experiments.config import validate
-    from experiments.hydra_glue import compose, to_object, unknown_option_problem
+    from experiments.hydra_glue import compose_checked, to_object
     from experiments.parallel import device_for
     from experiments.probes import check_environment
 
     config_overrides = [o for o in overrides if not o.startswith("hydra.")]
-    if problem := unknown_option_problem(config_overrides):
-        raise ConfigError(problem)
-    try:
-        cfg = compose(config_overrides)
-    except Exception as e:  # Hydra's composition errors: an unknown key, a bad value type
-        raise ConfigError(f"error: {str(e).splitlines()[0]}") from None
+    cfg = compose_checked(config_overrides)
     validate(cfg, config_overrides)
     check_environment(cfg)
     run_cfg = to_object(cfg)

@@ -103,6 +103,21 @@ def unknown_option_problem(overrides: list[str]) -> str | None:
     return None
 
 
+def compose_checked(overrides: list[str]) -> DictConfig:
+    """compose, with a group option that does not exist or an override Hydra refuses as a one-line ConfigError
+    (Hydra says either in many lines): for the commands that compose in Python (experiments.pretrain,
+    experiments.advise)."""
+    from hydra.errors import HydraException
+
+    if problem := unknown_option_problem(overrides):
+        raise ConfigError(problem)
+    try:
+        return compose(overrides)
+    except HydraException as e:  # an override of a key the config does not have, a broken override
+        cause = f": {str(e.__cause__).splitlines()[0]}" if e.__cause__ else ""
+        raise ConfigError(f"error: {' '.join(str(e).split())}{cause}") from None
+
+
 def to_object(cfg: DictConfig) -> Config:
     """The validated job config (as the task function gets it: no hydra node) as dataclass instances, with
     `fix` resolved into the normalization in effect: the one place it is (normalization_in_effect)."""

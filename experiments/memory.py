@@ -60,24 +60,24 @@ def architecture(model_cfg):
     return llama_config(model_cfg)
 
 
-def parameter_counts(cfg) -> tuple[int, int]:
+def parameter_counts(cfg, arch=None) -> tuple[int, int]:
     """(all parameters, trained parameters) of the run's model and fine-tune, counted on the meta device:
-    nothing is allocated or loaded."""
+    nothing is allocated or loaded. arch: architecture(cfg.model), when the caller has it."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from experiments.model import apply_finetune
 
     with torch.device("meta"):
-        net = apply_finetune(AutoModelForCausalLM.from_config(architecture(cfg.model)), cfg.finetune)
+        net = apply_finetune(AutoModelForCausalLM.from_config(arch or architecture(cfg.model)), cfg.finetune)
     unique = {id(p): p for p in net.parameters()}.values()  # tied embedding and output counted once
     return sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad)
 
 
 def estimate(cfg, device_type: str, optimizer_state: bool, sequences_per_forward: int) -> MemoryEstimate:
     """cfg: the run's Config. sequences_per_forward: the sequences of one micro-batch on this process."""
-    total, trained = parameter_counts(cfg)
     arch = architecture(cfg.model)
+    total, trained = parameter_counts(cfg, arch)
     hidden, layers = arch.hidden_size, arch.num_hidden_layers
     element = 2 if cfg.precision == "bf16" else 4
     tokens = sequences_per_forward * cfg.seq_len

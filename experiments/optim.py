@@ -109,11 +109,15 @@ def adam_states(optimizer: torch.optim.Optimizer):
         yield p, v, bias_correction2, eps
 
 
+def adam_groups(optimizer: torch.optim.Optimizer):
+    """The optimizer's Adam-type param groups (those with betas and eps: all of AdamW's, the Muon hybrid's AdamW
+    part)."""
+    return [group for group in optimizer.param_groups if "eps" in group and "betas" in group]
+
+
 def adam_moments(optimizer: torch.optim.Optimizer):
     """(param, local exp_avg, local exp_avg_sq, 1 - beta1^t, 1 - beta2^t, eps) for every Adam-type state."""
-    for group in optimizer.param_groups:
-        if "eps" not in group or "betas" not in group:
-            continue
+    for group in adam_groups(optimizer):
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -190,9 +194,7 @@ def gradient_records(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor,
     step has m_hat = g and v_hat = g^2 exactly, so s = |g|, and no optimizer state is needed (one process,
     no shards)."""
     records = []
-    for group in optimizer.param_groups:
-        if "eps" not in group or "betas" not in group:
-            continue
+    for group in adam_groups(optimizer):
         for p in group["params"]:
             if p.grad is None:
                 continue
