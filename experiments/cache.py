@@ -48,12 +48,13 @@ def keep_freed_memory() -> bool:
     glibc returns large freed blocks (munmap, heap trimming), so each step page-faults its activations,
     logits and gradients in again, in the kernel (docs/performance.md has the measurement). No mmap'd
     chunks and no trimming keep that memory for the next step, as PyTorch's caching allocator does on
-    GPUs. Linux with glibc only,
+    GPUs. No trimming at all (-1, mallopt(3)): a threshold, even the largest int's 2 GiB, is passed when a
+    SmolLM2 step frees its activations, and the next step faulted 2.3 GB in again. Linux with glibc only,
     and not when the user set glibc's malloc variables; returns whether it applied."""
     if not sys.platform.startswith("linux") or any(name in os.environ for name in GLIBC_MALLOC_ENV):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
     except (OSError, AttributeError):  # not glibc
         return False

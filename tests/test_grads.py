@@ -135,3 +135,30 @@ def test_fix_is_resolved_into_the_normalization_once():
         pipeline = build_pipeline(cfg, cfg.world_size)
         assert pipeline.recipe == recipe
         assert pipeline.c_eff == c_eff(4.0, recipe, 8) == (0.5 if recipe == "global_tokens_no_world_fix" else 4.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block", [4000, 2**22])  # 4 rows a block (33 tokens: the last has 1), and all
+def test_token_losses_have_the_bits_of_cross_entropy_and_its_gradient(monkeypatch, dtype, block):
+    """The loss a block of rows at a time: the same losses and logits gradient, bit for bit, as
+    F.cross_entropy over the whole [tokens, vocabulary] matrix (and 0 for untrained targets)."""
+    from experiments import grads
+    from experiments.data import IGNORE_INDEX
+
+    monkeypatch.setattr(grads, "CROSS_ENTROPY_BLOCK", block)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 11, 1000, generator=generator) * 4).to(dtype)
+    targets = torch.randint(0, 1000, (3, 11), generator=generator)
+    targets[:, :2] = IGNORE_INDEX
+    weights = torch.rand(3, 11, generator=generator)
+    results = []
+    for losses_of in (grads.token_losses, lambda x, t: torch.nn.functional.cross_entropy(
+            x.flatten(0, 1).float(), t.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view(t.shape)):
+        x = logits.clone().requires_grad_()
+        losses = losses_of(x, targets)
+        (losses * weights).sum().backward()
+        results.append((losses.detach(), x.grad))
+    (losses, grad), (expected_losses, expected_grad) = results
+    assert losses.dtype == torch.float32 and grad.dtype == dtype
+    assert torch.equal(losses, expected_losses) and torch.equal(grad, expected_grad)
+    assert (losses[:, :2] == 0).all() and (losses[:, 2:] > 0).all()
