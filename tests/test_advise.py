@@ -80,16 +80,18 @@ def advise_cli(args, timeout=120):
 def advisor_sweep(tmp_path_factory, cache_dir):
     """AdamW at c = 1, 1e-4, 1e-5 on the tiny model, histograms every step; an SGD run and one without records."""
     sweep = tmp_path_factory.mktemp("advisor")
-    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
-    for args in (["-m", "optimizer=adamw", "scale=1,1e-4,1e-5", "fix=true", "adam_stats_every=1",
-                  f"hydra.sweep.dir={sweep / 'adamw'}"],
-                 ["optimizer=sgd", f"hydra.run.dir={sweep / 'sgd'}"],
-                 ["optimizer=adamw", "adam_stats_every=null", f"hydra.run.dir={sweep / 'no_records'}"]):
-        multirun, overrides = args[:1] == ["-m"], [a for a in args if a != "-m"]
-        proc = subprocess.run([sys.executable, "-m", "experiments.run", *["-m"] * multirun, *TINY, *overrides],
-                              cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    commands = (["-m", "optimizer=adamw", "scale=1,1e-4,1e-5", "fix=true", "adam_stats_every=1",
+                 f"hydra.sweep.dir={sweep / 'adamw'}"],
+                ["optimizer=sgd", f"hydra.run.dir={sweep / 'sgd'}"],
+                ["optimizer=adamw", "adam_stats_every=null", f"hydra.run.dir={sweep / 'no_records'}"])
+    # side by side, one thread each: mostly start-up, single-threaded Python
+    procs = [subprocess.Popen([sys.executable, "-m", "experiments.run", *args[:1] * (args[0] == "-m"), *TINY,
+                               *[a for a in args if a != "-m"]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args in commands]
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
     return sweep
 
 
@@ -146,9 +148,13 @@ def test_advise_refuses_bad_input_in_one_line(advisor_sweep, case, args, says):
 
 
 def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
-    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "experiments.advise", *TINY, "steps=3", f"hydra.run.dir={tmp_path / 'ref'}",
                "--world-sizes", "8,64", "--json", str(tmp_path / "ref.json")]
+    # and --gradient-only: step 0 from one gradient (v_hat = g^2 at Adam's first step), side by side with it
+    gradient_only = subprocess.Popen([*command[:-5], f"hydra.run.dir={tmp_path / 'gradient'}", "--gradient-only",
+                                      "--world-sizes", "8,64", "--json", str(tmp_path / "gradient.json")],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "N=64" in proc.stdout
@@ -159,13 +165,11 @@ def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
     records = read_jsonl(tmp_path / "ref" / "adam_stats.jsonl")
     assert sorted({r["step"] for r in records}) == [0, 1, 2]  # histograms on every step
 
-    # --gradient-only: step 0 from one gradient (v_hat = g^2 at Adam's first step): the same prediction, no state
-    gradient = subprocess.run([*command[:-5], f"hydra.run.dir={tmp_path / 'gradient'}", "--gradient-only",
-                               "--world-sizes", "8,64", "--json", str(tmp_path / "gradient.json")],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert gradient.returncode == 0, gradient.stderr[-3000:]
+    # --gradient-only: the same prediction, no optimizer state
+    gradient_stdout, gradient_stderr = gradient_only.communicate(timeout=300)
+    assert gradient_only.returncode == 0, gradient_stderr[-3000:]
     assert re.search(r"^advise: the gradient-only advisor needs about [\d.]+ GiB \(weights [\d.e-]+, gradients "
-                     r"[\d.e-]+, activations", gradient.stdout, re.M) and "optimizer state" not in gradient.stdout
+                     r"[\d.e-]+, activations", gradient_stdout, re.M) and "optimizer state" not in gradient_stdout
     assert not (tmp_path / "gradient" / "summary.json").exists()  # no fine-tune ran
     step_0 = json.loads((tmp_path / "ref.json").read_text())["steps"][0]
     only = json.loads((tmp_path / "gradient.json").read_text())["steps"]
