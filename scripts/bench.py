@@ -78,16 +78,24 @@ from experiments.checks import CommandParser  # noqa: E402
 def build(overrides: list[str]):
     """The run's config and its job, built as a run builds them (experiments.job.build_job)."""
     from experiments.config import validate
-    from experiments.hydra_glue import compose, to_object
     from experiments.job import build_job
-    from experiments.pretrain import prepare_weights
-    from experiments.probes import check_environment
 
+    if (CODE / "experiments" / "hydra_glue.py").exists():
+        from experiments.hydra_glue import compose, to_object
+        from experiments.probes import check_environment
+    else:  # --against a commit before 61b43df: these lived in its config.py, next to its conf/ (this script's
+        # own helpers come from this checkout through its editable install; the code measured is the commit's)
+        from experiments.config import check_environment, compose, to_object
     cfg = compose([*overrides, "wandb.mode=disabled"])
     validate(cfg, overrides=[])
     check_environment(cfg)
     run_cfg = to_object(cfg)
-    prepare_weights(run_cfg.model)
+    try:
+        from experiments.pretrain import prepare_weights
+    except ImportError:  # --against a commit before 61b43df: its build_job builds the pretrained base itself
+        pass
+    else:
+        prepare_weights(run_cfg.model)
     return run_cfg, build_job(run_cfg)
 
 
