@@ -10,7 +10,8 @@ The estimate (bytes) is the sum of
 - activations kept for the backward pass of one micro-batch, per token and layer: about 10 hidden-size and
   4 intermediate-size vectors (the attention projections, residuals, norms and SwiGLU's gate, up, product),
   the attention probabilities (heads x sequence length) where the attention is not fused, at 2 bytes per
-  element in bf16 and 4 in fp32; and the fp32 logits, their log-softmax and its gradient (3 x vocabulary);
+  element in bf16 and 4 in fp32; the logits and their gradient (2 x vocabulary per token, at that element
+  size) and the loss's three fp32 buffers of a block of rows (experiments.grads.CROSS_ENTROPY_BLOCK);
 - the framework itself: 0.5 GiB (on the CPU: torch, transformers, the interpreter; on CUDA: its context).
 docs/analysis.md compares it with the peak memory measured on the tiny model and SmolLM2.
 """
@@ -76,6 +77,7 @@ def parameter_counts(cfg, arch=None) -> tuple[int, int]:
 
 def estimate(cfg, device_type: str, optimizer_state: bool, sequences_per_forward: int) -> MemoryEstimate:
     """cfg: the run's Config. sequences_per_forward: the sequences of one micro-batch on this process."""
+    from experiments.grads import CROSS_ENTROPY_BLOCK
     arch = architecture(cfg.model)
     total, trained = parameter_counts(cfg, arch)
     hidden, layers = arch.hidden_size, arch.num_hidden_layers
@@ -83,7 +85,9 @@ def estimate(cfg, device_type: str, optimizer_state: bool, sequences_per_forward
     tokens = sequences_per_forward * cfg.seq_len
     attention = arch.num_attention_heads * cfg.seq_len if device_type == "cpu" else 0  # CUDA: fused (SDPA)
     per_token_layer = (10 * hidden + 4 * arch.intermediate_size + attention) * element
-    activations = tokens * layers * per_token_layer + 3 * tokens * arch.vocab_size * 4
+    loss_block = max(arch.vocab_size, min(tokens * arch.vocab_size, CROSS_ENTROPY_BLOCK))  # whole rows
+    logits = 2 * tokens * arch.vocab_size * element + 3 * loss_block * 4
+    activations = tokens * layers * per_token_layer + logits
     state = 12 * trained + 4 * trained // 8 if optimizer_state else 0
     return MemoryEstimate(4 * total, 4 * trained, state, activations, FRAMEWORK_BYTES)
 
