@@ -125,9 +125,10 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
     """Token cross-entropy a block of rows at a time, with F.cross_entropy's own kernels (log_softmax, then
     nll_loss; in the backward nll_loss_backward, then _log_softmax_backward_data), so the same bits as
     `cross_entropy(logits.float(), ...)`: each row's softmax is computed on its own either way. What it saves
-    is memory: no [tokens, vocabulary] fp32 copy, log-probabilities or gradient (1.2 GB at SmolLM2's 16 x 128
-    tokens) but three block-sized buffers, reused block after block (fresh large blocks are page-faulted in
-    on the CPU); the backward recomputes a block's log-probabilities from the saved logits."""
+    is memory: no [tokens, vocabulary] fp32 copy of the logits, log-probabilities, nll gradient or log-softmax
+    gradient (400 MB each at SmolLM2's 16 x 128 tokens), only three block-sized buffers, reused block after
+    block (fresh large blocks are page-faulted in on the CPU); the backward recomputes a block's
+    log-probabilities from the saved logits."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
