@@ -340,12 +340,18 @@ def test_the_same_sweep_twice_from_a_cold_cache_writes_the_same_bits(cli, tmp_pa
     into an empty cache: the bases and every metric record are identical, timings aside."""
     args = ["-m", "scale=1,8", "fix=true", "hydra/launcher=local_parallel", *TINY, "model.init=pretrained",
             "model.pretrain.steps=10", "model.pretrain.batch_size=8", "model.pretrain.seq_len=64"]
+    from concurrent.futures import ThreadPoolExecutor
+
+    def sweep(attempt: str):  # both at once: each job's thread count is set by the launcher, not the load
+        return cli([*args, f"hydra.sweep.dir={tmp_path / attempt}"],
+                   extra_env={"GRADSCALE_CACHE": str(tmp_path / f"cache_{attempt}")})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = dict(zip("ab", pool.map(sweep, "ab")))
     metrics, bases = [], []
-    for attempt in ("a", "b"):
-        cache = tmp_path / f"cache_{attempt}"
-        proc = cli([*args, f"hydra.sweep.dir={tmp_path / attempt}"], extra_env={"GRADSCALE_CACHE": str(cache)})
+    for attempt, proc in procs.items():
         assert proc.returncode == 0, proc.stderr[-3000:]
-        bases.append([p.read_bytes() for p in sorted(cache.rglob("model.safetensors"))])
+        bases.append([p.read_bytes() for p in sorted((tmp_path / f"cache_{attempt}").rglob("model.safetensors"))])
         metrics.append({d.name: [{k: v for k, v in r.items() if k != "perf/tokens_per_s"} for r in read_metrics(d)]
                         for d in job_dirs(tmp_path / attempt)})
     assert len(bases[0]) == 1 and bases[0] == bases[1]
