@@ -86,9 +86,8 @@ def advisor_sweep(tmp_path_factory, cache_dir):
                 ["optimizer=sgd", f"hydra.run.dir={sweep / 'sgd'}"],
                 ["optimizer=adamw", "adam_stats_every=null", f"hydra.run.dir={sweep / 'no_records'}"])
     # side by side, one thread each: mostly start-up, single-threaded Python
-    procs = [subprocess.Popen([sys.executable, "-m", "experiments.run", *args[:1] * (args[0] == "-m"), *TINY,
-                               *[a for a in args if a != "-m"]], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for args in commands]
+    procs = [subprocess.Popen([sys.executable, "-m", "experiments.run", *args, *TINY], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in commands]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-3000:]
