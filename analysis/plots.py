@@ -20,7 +20,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from analysis.load import curve, short_number
-from analysis.tables import max_divergence, one_percent_thresholds, pair_references, seed_curves, seed_siblings
+from analysis.tables import (contrast_references, max_divergence, one_percent_thresholds, pair_references, seed_curves,
+                             seed_siblings)
 from analysis.theory import clipped_share as predicted_clipped_share
 from experiments.records import EPS_DOMINATED, GRAD_NORM, TRAIN_LOSS, UPDATE_RMS, eval_loss_of, output_update_rms_of
 
@@ -540,7 +541,8 @@ def lr_axis(runs: pd.DataFrame):
 
 def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"):
     """By token-frequency bucket (experiments/frequency.py), one panel each, against the reference run (scale 1,
-    fix on): the held-out loss of the bucket's targets minus the reference's (what="loss"), or the RMS of the
+    fix on; for a contrast such as an fp32 control, the banded run it differs from: tables.contrast_references):
+    the held-out loss of the bucket's targets minus the reference's (what="loss"), or the RMS of the
     update of the bucket's output-matrix rows over the reference's, at the eval steps (what="update")."""
     from experiments.frequency import BUCKET_EDGES, BUCKETS
 
@@ -556,8 +558,11 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     several_setups = runs.setup.nunique() > 1
     plot = CurveFigure(titles.values(), title)
     siblings, banded = seed_siblings(runs), {}
-    for r, reference in _paired(runs):
-        label = (f"{r.setup} " if several_setups else "") + _label(r, runs)
+    by_name, contrasts = runs.set_index("run"), contrast_references(runs)
+    contrasted = [(r, *contrasts[r.run]) for r in runs.itertuples() if r.run in contrasts]
+    for r, reference, key in [(r, reference, None) for r, reference in _paired(runs)] + contrasted:
+        label = (f"{key}={getattr(r, key)} against {key}={by_name.loc[reference, key]}, the same seed" if key else
+                 (f"{r.setup} " if several_setups else "") + _label(r, runs))
         for bucket in BUCKETS:
             run_curve, ref_curve = (curve(curves, name, metric(bucket)) for name in (r.run, reference))
             series = run_curve - ref_curve if what == "loss" else run_curve / ref_curve

@@ -259,6 +259,30 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
     return {run: group for group in groups.values() for run in group}
 
 
+CONTRAST_KEYS = ("precision",)  # run settings besides c_eff whose effect a study reads against the seed band
+
+
+def contrast_references(runs: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """For a reference run (scale 1, fix on) with no seed repeats of its own: the reference with seed repeats
+    that is identical to it but in one of CONTRAST_KEYS (an fp32 control against the bf16 runs' band). What
+    that setting does is then read against what the data order alone does, as the bug's c_eff is.
+    {run: (that reference, the key they differ in)}."""
+    siblings = seed_siblings(runs)
+    banded = {tuple(_key(r[k]) for k in PAIRING_KEYS): r["run"]
+              for _, r in runs[is_reference(runs)].iterrows() if len(siblings.get(r["run"], [])) >= 2}
+    found = {}
+    for _, r in runs[is_reference(runs)].iterrows():
+        if len(siblings.get(r["run"], [])) >= 2:
+            continue
+        for key in CONTRAST_KEYS:
+            others = [run for k, run in banded.items()
+                      if k[PAIRING_KEYS.index(key)] != _key(r[key])
+                      and all(v == _key(r[p]) for p, v in zip(PAIRING_KEYS, k) if p != key)]
+            if others:
+                found[r["run"]] = (others[0], key)
+    return found
+
+
 def seed_curves(curves: pd.DataFrame, seeds: list[str], metric: str) -> pd.DataFrame:
     """metric of each seed repeat (a column per run), at the steps they all logged; its row-wise sample std
     (ddof 1) is what changing nothing but the data order does."""
@@ -266,18 +290,19 @@ def seed_curves(curves: pd.DataFrame, seeds: list[str], metric: str) -> pd.DataF
 
 
 def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
-    """Every run against its reference (or the run the theory calls it equal to), read in units of the seed
-    band: at the last step both logged `metric`,
+    """Every run against its reference (or the run the theory calls it equal to, or the banded run it contrasts in
+    one CONTRAST_KEYS setting), read in units of the seed band: at the last step both logged `metric`,
     the difference run - reference, the sample standard deviation of the metric over the reference's seed
     siblings there (at least 2 seeds), and the difference in units of it; also the largest |difference| / std
     over all the steps they share. Rows only where the band exists."""
     siblings = seed_siblings(runs)
     # the reference: the same run at scale 1 with the fix on, else the c_eff = 1 run the theory calls it equal
-    # to (an eps / N repair of the bug: AdamW(c, eps) == AdamW(1, eps / c))
+    # to (an eps / N repair of the bug: AdamW(c, eps) == AdamW(1, eps / c)), else the banded run it contrasts
     equivalents = dict(zip(*equivalent_references(runs)[["run", "equivalent"]].to_numpy().T)) if len(runs) else {}
+    contrasts = contrast_references(runs)
     rows = []
     for r, paired in zip(runs.itertuples(), pair_references(runs)):
-        reference = paired if paired is not None else equivalents.get(r.run)
+        reference = paired if paired not in (None, r.run) else equivalents.get(r.run, contrasts.get(r.run, (paired,))[0])
         if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
             continue
         for metric in metrics:

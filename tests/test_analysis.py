@@ -474,6 +474,16 @@ def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
                                               for step in range(5)], columns=curves.columns)], ignore_index=True)
     band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
     assert band.loc["repair", "difference / std"] == pytest.approx(0.05)
+    # a reference in another precision, without repeats of its own, is read against the banded one's seeds;
+    # one that also differs in lr is not
+    control = {**fixed.to_dict(), "run": "bf16", "precision": "bf16"}
+    other = {**control, "run": "bf16-lr", "lr": 1e-2}
+    runs = pd.concat([runs, pd.DataFrame([control, other])], ignore_index=True)
+    curves = pd.concat([curves, pd.DataFrame([(name, step, "eval/loss", 3.0 - 0.1 * step - 0.03) for step in range(5)
+                                              for name in ("bf16", "bf16-lr")], columns=curves.columns)],
+                       ignore_index=True)
+    band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
+    assert band.loc["bf16", "difference / std"] == pytest.approx(-1.5) and "bf16-lr" not in band.index
     # one seed only: no band, no rows
     assert seed_band_table(runs[~runs.run.isin(["seed1", "seed2"])], curves, ["eval/loss"]).empty
 
@@ -509,6 +519,14 @@ def test_token_frequency_loss_shades_two_seed_standard_deviations_around_the_ref
     assert np.isclose(band.get_paths()[0].vertices[:, 1].max(), 2 * std)  # ±2 std of the three seeds, around 0
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert any(t.startswith("±2 seed standard deviations around the reference (3 seeds") for t in legend)
+    control = runs[(runs.scale == 1.0) & (runs.seed == 0)].assign(run="adamw-bf16", precision="bf16")
+    rows = [("adamw-bf16", step, "eval/loss_rare", 2.98) for step in (2, 4)]
+    fig = plots.token_frequency(pd.concat([runs, control], ignore_index=True),
+                                pd.concat([curves, pd.DataFrame(rows, columns=curves.columns)], ignore_index=True))
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "precision=bf16 against precision=fp32, the same seed (exactly -0.02 throughout)" in legend
+    rare = next(ax for ax in fig.axes if ax.get_title().startswith("rare"))
+    assert [ln for ln in rare.lines if np.allclose(ln.get_ydata(), -0.02)]  # the contrast minus its seed-0 reference
     runs_without_repeats = runs[runs.seed == 0]
     assert not [c for ax in plots.token_frequency(runs_without_repeats, curves, "loss").axes
                 for c in ax.collections if c.get_gid() == "seed band"]
