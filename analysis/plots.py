@@ -12,6 +12,8 @@ What every figure does, so that a reader can compare at a glance:
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 import pandas as pd
 from matplotlib import ticker
@@ -136,11 +138,26 @@ def _legend(fig: Figure, handles) -> None:
     (about 12 characters an inch at this size): the figure keeps its width and grows in height by the
     legend's, so the panels keep theirs."""
     if handles:
+        room = fig.get_figwidth() * 72 - 60  # points beside a handle, with a margin
+        for h in handles:  # a label longer than the figure is wide wraps instead of running off its edges
+            lines = h.get_label().split("\n")
+            widest = max(lines, key=_text_points)
+            if _text_points(widest) > room:
+                fits = int(len(widest) * room / _text_points(widest))
+                h.set_label("\n".join(textwrap.fill(line, fits, subsequent_indent="  ") for line in lines))
         longest = max(len(h.get_label().split("\n")[0]) for h in handles)
         columns = max(1, min(3, int(fig.get_figwidth() * 12 // (longest + 6))))
         rows = -(-len(handles) // columns) + max(h.get_label().count("\n") for h in handles)
         fig.set_figheight(fig.get_figheight() + 0.2 * rows + 0.15)
         fig.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize=8.5, frameon=False)
+
+
+def _text_points(text: str) -> float:
+    """The width of a line of legend text (8.5 pt), in points."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import TextToPath
+
+    return TextToPath().get_text_width_height_descent(text, FontProperties(size=8.5), ismath=False)[0]
 
 
 def _handle(label: str, style: dict) -> Line2D:
@@ -396,14 +413,15 @@ def eps_collapse(runs: pd.DataFrame):
     """Final loss vs c_eff / eps, one line per eps: AdamW(c, eps) == AdamW(1, eps/c) says every run's
     outcome depends on c / eps alone, so the lines fall on one curve (docs/design.md physics 3). Plotted
     against the outcome itself, not a deviation from each eps's own c = 1 run, which moves with eps. One data
-    order: repeats at other seeds are left out (they move the outcome at equal c / eps)."""
+    order: repeats at other seeds are left out (they move the outcome at equal c / eps); one line per precision."""
     fig, ax = _single("AdamW trades c for eps: one curve in c / eps")
     table = runs[runs.eps.notna() & (runs.status == "completed")]
     table = table[table.seed == table.seed.min()]
     styles, handles = Styles(), []
-    for (optimizer, eps), group in table.groupby(["optimizer", "eps"]):
+    several_precisions = table.precision.nunique() > 1  # a precision moves the outcome at equal c / eps too
+    for (optimizer, eps, precision), group in table.groupby(["optimizer", "eps", "precision"]):
         group = group.sort_values("c_eff")
-        label = f"{optimizer} eps={short_number(eps)}"
+        label = f"{optimizer} eps={short_number(eps)}" + (f" {precision}" if several_precisions else "")
         style = styles(label)
         ax.plot(group.c_eff / eps, group.final_loss, color=style["color"], ls=style["ls"], marker=style["marker"],
                 ms=7 - 0.7 * (len(handles) % 4), lw=1.2)

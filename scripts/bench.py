@@ -2,7 +2,7 @@
 
     python scripts/bench.py [OVERRIDES ...] [--steps 50] [--repeats 10] [--allocator N] [--sweep N]
     python scripts/bench.py [OVERRIDES ...] --memory N
-    python scripts/bench.py [OVERRIDES ...] --real-model N [--steps 5] [--against GIT_REF]
+    python scripts/bench.py [OVERRIDES ...] --real-model N [--steps 5] [--against GIT_REF] [--compiled]
 
 In one process, on the same model (same init), batches and optimizer (the suite's AdamW, foreach), it
 times per optimizer step:
@@ -38,11 +38,13 @@ and the CUDA context cancel: (peak(deep) - peak(shallow)) / (parameters(deep) - 
 Its last line: memory suite/bare=<ratio> suite=<bytes/parameter> bare=<bytes/parameter> default/bare=<ratio>
 
 --real-model N measures SmolLM2-135M at 16 x 128 tokens (REAL_MODEL; OVERRIDES replace its keys) in fp32 and in
-bf16: the bare loop and the suite's (default logging), each a process of its own, 2 warm-up steps and --steps
-timed ones; each precision's 2048^3 matmul rate on the CPU, also a process of its own; interleaved, median of
-N. With --against GIT_REF the same measurements run on that commit's code (a temporary git worktree) in the
-same run, so a speed-up is a ratio taken on one machine in one sitting. Its last line:
-    real-model suite/bare_fp32=<r> suite/bare_bf16=<r> bf16/fp32_suite_tokens=<r> [fp32|bf16_suite_tokens_vs_REF=<r>]
+bf16 (with --compiled also in bf16 with compile=true): the bare loop and the suite's (default logging), each a process of its own,
+2 warm-up steps (a compiled run compiles in its first) and --steps timed ones; each precision's 2048^3 matmul
+rate on the CPU, also a process of its own; interleaved, median of N. With --against GIT_REF the same
+measurements run on that commit's code (a temporary git worktree) in the same run, so a speed-up is a ratio
+taken on one machine in one sitting. Its last line:
+    real-model suite/bare_<variant>=<r> ... bf16/fp32_suite_tokens=<r> [<variant>_suite_tokens_vs_REF=<r> ...
+    bf16_compiled_suite_tokens_vs_REF_bf16=<r>]
 """
 
 from __future__ import annotations
@@ -304,6 +306,9 @@ MEMORY_LOOPS = {"bare": bare_loop, "suite, logged every step": functools.partial
 # --real-model: SmolLM2-135M at the size the issue measured, fp32 and bf16, the suite against a bare loop
 REAL_MODEL = ["model=smollm2_135m", "batch_size=16", "seq_len=128", "device=cpu", "wandb.mode=disabled"]
 REAL_PRECISIONS = ("fp32", "bf16")
+# each variant: its overrides and the precision of its matmul rate; compiled: Inductor fuses the elementwise work
+REAL_VARIANTS = {"fp32": (["precision=fp32"], "fp32"), "bf16": (["precision=bf16"], "bf16"),
+                 "bf16 compiled": (["precision=bf16", "compile=true"], "bf16")}
 REAL_LOOPS = {"bare": bare_loop, "suite": suite_loop}
 REAL_WARMUP, REAL_STEPS = 2, 5
 MATMUL_N = 2048
@@ -330,10 +335,11 @@ def step_probe(loop: str, overrides: list[str], steps: int) -> tuple[float, floa
     return seconds, model_flops_per_token(cfg, n_params) * cfg.batch_size * cfg.seq_len / seconds
 
 
-def real_model(overrides: list[str], repeats: int, steps: int, against: str | None) -> int:
-    """--real-model: each (code, precision, loop) a process of its own, and each precision's matmul rate,
+def real_model(overrides: list[str], repeats: int, steps: int, against: str | None, compiled: bool = False) -> int:
+    """--real-model: each (code, variant, loop) a process of its own, and each precision's matmul rate,
     interleaved, median of `repeats`; a table and the ratios side by side."""
     codes = {"this": ROOT}
+    variants = {k: v for k, v in REAL_VARIANTS.items() if compiled or k != "bf16 compiled"}
     with contextlib.ExitStack() as stack:
         if against:
             codes[against] = stack.enter_context(worktree(against))
@@ -342,12 +348,13 @@ def real_model(overrides: list[str], repeats: int, steps: int, against: str | No
         for repeat in range(repeats):
             for precision in REAL_PRECISIONS:
                 matmul[precision].append(float(probe(ROOT, ["--matmul-probe", precision])[-1]))
+            for variant, (settings, _) in variants.items():
                 for code, tree in codes.items():
                     for loop in REAL_LOOPS:
                         args = ["--step-probe", loop, "--steps", str(steps),
-                                *with_overrides(with_overrides(REAL_MODEL, [f"precision={precision}"]), overrides)]
+                                *with_overrides(with_overrides(REAL_MODEL, settings), overrides)]
                         seconds, flops = map(float, probe(tree, args)[-2:])
-                        measured.setdefault((code, precision, loop), []).append((seconds, flops))
+                        measured.setdefault((code, variant, loop), []).append((seconds, flops))
             print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
                 f"{code} {precision} {loop} {v[-1][0]:.2f}" for (code, precision, loop), v in measured.items())
                 + " s/step", flush=True)
@@ -355,19 +362,23 @@ def real_model(overrides: list[str], repeats: int, steps: int, against: str | No
     tokens = cfg.batch_size * cfg.seq_len
     print(f"\n{cfg.model.name}, {tokens} tokens/step ({cfg.batch_size} x {cfg.seq_len}), {torch.get_num_threads()} "
           f"threads; {REAL_WARMUP} + {steps} steps per measurement, one process each, median of {repeats}")
-    print("\n| code | precision | loop | s/step | tokens/s | model GFLOP/s | matmul GFLOP/s | of matmul |\n"
+    print("\n| code | variant | loop | s/step | tokens/s | model GFLOP/s | matmul GFLOP/s | of matmul |\n"
           "|---|---|---|---|---|---|---|---|")
     seconds = {key: statistics.median(s for s, _ in v) for key, v in measured.items()}
-    for (code, precision, loop), v in measured.items():
-        flops, rate = statistics.median(f for _, f in v), statistics.median(matmul[precision])
-        print(f"| {code} | {precision} | {loop} | {seconds[code, precision, loop]:.3f} | "
-              f"{tokens / seconds[code, precision, loop]:,.0f} | {flops / 1e9:,.0f} | {rate / 1e9:,.0f} | "
+    for (code, variant, loop), v in measured.items():
+        flops, rate = statistics.median(f for _, f in v), statistics.median(matmul[REAL_VARIANTS[variant][1]])
+        print(f"| {code} | {variant} | {loop} | {seconds[code, variant, loop]:.3f} | "
+              f"{tokens / seconds[code, variant, loop]:,.0f} | {flops / 1e9:,.0f} | {rate / 1e9:,.0f} | "
               f"{flops / rate:.3f} |")
-    ratios = {f"suite/bare_{p}": seconds["this", p, "suite"] / seconds["this", p, "bare"] for p in REAL_PRECISIONS}
+    names = {variant: variant.replace(" ", "_") for variant in variants}
+    ratios = {f"suite/bare_{names[v]}": seconds["this", v, "suite"] / seconds["this", v, "bare"] for v in variants}
     ratios["bf16/fp32_suite_tokens"] = seconds["this", "fp32", "suite"] / seconds["this", "bf16", "suite"]
     if against:
-        for p in REAL_PRECISIONS:
-            ratios[f"{p}_suite_tokens_vs_{against}"] = seconds[against, p, "suite"] / seconds["this", p, "suite"]
+        for v in variants:  # each against the old code in the same variant, and compiled against its eager bf16
+            ratios[f"{names[v]}_suite_tokens_vs_{against}"] = seconds[against, v, "suite"] / seconds["this", v, "suite"]
+        if compiled:
+            ratios[f"bf16_compiled_suite_tokens_vs_{against}_bf16"] = (seconds[against, "bf16", "suite"]
+                                                                       / seconds["this", "bf16 compiled", "suite"])
     print("\n(ratios of medians: suite/bare step time; the others tokens/s)")
     print("real-model " + " ".join(f"{k}={v:.4f}" for k, v in ratios.items()))
     return 0
@@ -490,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"median of N ({REAL_WARMUP} + --steps steps each, default {REAL_STEPS})")
     parser.add_argument("--against", metavar="GIT_REF", help="with --real-model: also measure the code of this "
                         "commit (a git worktree), in the same run, for the ratios of this code's tokens/s to its")
+    parser.add_argument("--compiled", action="store_true", help="with --real-model: also bf16 with compile=true "
+                        "(Inductor; its first step compiles, a minute or more with a cold cache)")
     parser.add_argument("--memory-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --memory
     parser.add_argument("--step-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --real-model
     parser.add_argument("--matmul-probe", metavar="PRECISION", help=argparse.SUPPRESS)
@@ -506,13 +519,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.real_model < 0:
         parser.error(f"--real-model={args.real_model} must be >= 0")
-    if args.against and not args.real_model:
-        parser.error("--against goes with --real-model N")
+    if (args.against or args.compiled) and not args.real_model:
+        parser.error(f"{'--against' if args.against else '--compiled'} goes with --real-model N")
     if args.real_model:
         steps = REAL_STEPS if args.steps is None else args.steps
         if steps < 1:
             parser.error(f"--steps={steps} must be >= 1")
-        return real_model(args.overrides, args.real_model, steps, args.against)
+        return real_model(args.overrides, args.real_model, steps, args.against, args.compiled)
     args.steps = 50 if args.steps is None else args.steps
     if args.steps < 1 or args.repeats < 1:
         parser.error(f"--steps={args.steps} must be >= 1 and --repeats={args.repeats} >= 1")

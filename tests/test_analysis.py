@@ -544,6 +544,22 @@ def test_a_setup_without_a_reference_gets_no_empty_panel_and_seed_repeats_stay_o
         assert panels == ["adamw"], panels  # not a second, empty panel for the setup with no reference
     collapse = plots.eps_collapse(runs).axes[0]
     assert 4.0 not in {y for line in collapse.get_lines() for y in line.get_ydata()}  # the seed-1 repeat
+    # another precision is a line of its own, not a point on the same eps's line
+    control = runs[(runs.scale == 1.0) & (runs.seed == 0)].assign(run="adamw-bf16", precision="bf16", final_loss=3.0)
+    fig = plots.eps_collapse(pd.concat([runs, control], ignore_index=True))
+    bf16, = [line for line in fig.axes[0].get_lines() if 3.0 in line.get_ydata()]
+    assert len(bf16.get_xdata()) == 1
+    assert "adamw eps=1e-8 bf16" in [t.get_text() for t in fig.legends[0].get_texts()]
+
+
+def test_a_legend_label_longer_than_the_figure_wraps_inside_it():
+    fig = matplotlib.figure.Figure(figsize=(6.0, 3.6))
+    fig.subplots()
+    label = " ".join(["a_long_setup_name"] * 12)  # 215 characters: more than twice as wide as the figure
+    plots._legend(fig, [plots._handle(label, {"color": "k", "ls": "-", "marker": "o"})])
+    text, = fig.legends[0].get_texts()
+    assert text.get_text().replace("\n  ", " ") == label
+    assert max(plots._text_points(line) for line in text.get_text().split("\n")) <= 6.0 * 72 - 60
 
 
 def test_advisor_along_run_draws_predicted_and_measured_per_run():
