@@ -22,8 +22,14 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from analysis.load import curve, short_number
-from analysis.tables import (contrast_references, max_divergence, one_percent_thresholds, pair_references, seed_curves,
-                             seed_siblings)
+from analysis.tables import (
+    contrast_references,
+    max_divergence,
+    one_percent_thresholds,
+    pair_references,
+    seed_curves,
+    seed_siblings,
+)
 from analysis.theory import clipped_share as predicted_clipped_share
 from experiments.records import EPS_DOMINATED, GRAD_NORM, TRAIN_LOSS, UPDATE_RMS, eval_loss_of, output_update_rms_of
 

@@ -302,7 +302,8 @@ def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]
     contrasts = contrast_references(runs)
     rows = []
     for r, paired in zip(runs.itertuples(), pair_references(runs)):
-        reference = paired if paired not in (None, r.run) else equivalents.get(r.run, contrasts.get(r.run, (paired,))[0])
+        reference = (paired if paired not in (None, r.run) else
+                     equivalents.get(r.run, contrasts.get(r.run, (paired,))[0]))
         if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
             continue
         for metric in metrics:

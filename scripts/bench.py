@@ -38,11 +38,11 @@ and the CUDA context cancel: (peak(deep) - peak(shallow)) / (parameters(deep) - 
 Its last line: memory suite/bare=<ratio> suite=<bytes/parameter> bare=<bytes/parameter> default/bare=<ratio>
 
 --real-model N measures SmolLM2-135M at 16 x 128 tokens (REAL_MODEL; OVERRIDES replace its keys) in fp32 and in
-bf16 (with --compiled also in bf16 with compile=true): the bare loop and the suite's (default logging), each a process of its own,
-2 warm-up steps (a compiled run compiles in its first) and --steps timed ones; each precision's 2048^3 matmul
-rate on the CPU, also a process of its own; interleaved, median of N. With --against GIT_REF the same
-measurements run on that commit's code (a temporary git worktree) in the same run, so a speed-up is a ratio
-taken on one machine in one sitting. Its last line:
+bf16 (with --compiled also in bf16 with compile=true): the bare loop and the suite's (default logging), each a
+process of its own, 2 warm-up steps (a compiled run compiles in its first) and --steps timed ones; each
+precision's 2048^3 matmul rate on the CPU, also a process of its own; interleaved, median of N. With --against
+GIT_REF the same measurements run on that commit's code (a temporary git worktree) in the same run, so a
+speed-up is a ratio taken on one machine in one sitting. Its last line:
     real-model suite/bare_<variant>=<r> ... bf16/fp32_suite_tokens=<r> [<variant>_suite_tokens_vs_REF=<r> ...
     bf16_compiled_suite_tokens_vs_REF_bf16=<r>]
 """
@@ -356,7 +356,7 @@ def real_model(overrides: list[str], repeats: int, steps: int, against: str | No
                         seconds, flops = map(float, probe(tree, args)[-2:])
                         measured.setdefault((code, variant, loop), []).append((seconds, flops))
             print(f"repeat {repeat + 1}/{repeats}: " + ", ".join(
-                f"{code} {precision} {loop} {v[-1][0]:.2f}" for (code, precision, loop), v in measured.items())
+                f"{code} {variant} {loop} {v[-1][0]:.2f}" for (code, variant, loop), v in measured.items())
                 + " s/step", flush=True)
     cfg = to_object_of(with_overrides(REAL_MODEL, overrides))
     tokens = cfg.batch_size * cfg.seq_len
