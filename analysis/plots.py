@@ -147,9 +147,9 @@ def _legend(fig: Figure, handles) -> None:
         room = fig.get_figwidth() * 72 - 60  # points beside a handle, with a margin
         for h in handles:  # a label longer than the figure is wide wraps instead of running off its edges
             lines = h.get_label().split("\n")
-            widest = max(lines, key=_text_points)
-            if _text_points(widest) > room:
-                fits = int(len(widest) * room / _text_points(widest))
+            width, widest = max((_text_points(line), line) for line in lines)
+            if width > room:
+                fits = int(len(widest) * room / width)
                 h.set_label("\n".join(textwrap.fill(line, fits, subsequent_indent="  ") for line in lines))
         longest = max(len(h.get_label().split("\n")[0]) for h in handles)
         columns = max(1, min(3, int(fig.get_figwidth() * 12 // (longest + 6))))

@@ -33,8 +33,8 @@ def pair_references(runs: pd.DataFrame) -> pd.Series:
     """For each run, the run identical in everything but scale and fix, at scale 1 with the fix on
     (None where the sweep has no such run). Indexed like `runs`, values are run names."""
     keys = list(PAIRING_KEYS)
-    lookup = {tuple(_key(r[k]) for k in keys): r["run"] for _, r in runs[is_reference(runs)].iterrows()}
-    found = [lookup.get(tuple(_key(r[k]) for k in keys)) for _, r in _recipe_up_to_c(runs).iterrows()]
+    lookup = {_recipe(r, keys): r["run"] for _, r in runs[is_reference(runs)].iterrows()}
+    found = [lookup.get(_recipe(r, keys)) for _, r in _recipe_up_to_c(runs).iterrows()]
     return pd.Series(found, index=runs.index, dtype=object)  # object: None stays None
 
 
@@ -45,6 +45,11 @@ def _recipe_up_to_c(runs: pd.DataFrame) -> pd.DataFrame:
 
 def _key(value):
     return "nan" if isinstance(value, float) and value != value else value  # NaN eps (SGD) pairs with itself
+
+
+def _recipe(row, keys) -> tuple:
+    """A run's settings under `keys`, as a lookup key."""
+    return tuple(_key(row[k]) for k in keys)
 
 
 def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
@@ -255,7 +260,7 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
     references = runs[is_reference(runs)]
     groups: dict[tuple, list[str]] = {}
     for _, r in references.iterrows():
-        groups.setdefault(tuple(_key(r[k]) for k in keys), []).append(r["run"])
+        groups.setdefault(_recipe(r, keys), []).append(r["run"])
     return {run: group for group in groups.values() for run in group}
 
 
@@ -267,19 +272,15 @@ def contrast_references(runs: pd.DataFrame) -> dict[str, tuple[str, str]]:
     that is identical to it but in one of CONTRAST_KEYS (an fp32 control against the bf16 runs' band). What
     that setting does is then read against what the data order alone does, as the bug's c_eff is.
     {run: (that reference, the key they differ in)}."""
-    siblings = seed_siblings(runs)
-    banded = {tuple(_key(r[k]) for k in PAIRING_KEYS): r["run"]
-              for _, r in runs[is_reference(runs)].iterrows() if len(siblings.get(r["run"], [])) >= 2}
+    siblings, references = seed_siblings(runs), runs[is_reference(runs)]
+    is_banded = references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)
     found = {}
-    for _, r in runs[is_reference(runs)].iterrows():
-        if len(siblings.get(r["run"], [])) >= 2:
-            continue
-        for key in CONTRAST_KEYS:
-            others = [run for k, run in banded.items()
-                      if k[PAIRING_KEYS.index(key)] != _key(r[key])
-                      and all(v == _key(r[p]) for p, v in zip(PAIRING_KEYS, k) if p != key)]
-            if others:
-                found[r["run"]] = (others[0], key)
+    for key in CONTRAST_KEYS:  # the same in every other setting (seed too) and not a seed sibling: differs in key
+        others = [k for k in PAIRING_KEYS if k != key]
+        banded = {_recipe(r, others): r["run"] for _, r in references[is_banded].iterrows()}
+        for _, r in references[~is_banded].iterrows():
+            if _recipe(r, others) in banded:
+                found.setdefault(r["run"], (banded[_recipe(r, others)], key))
     return found
 
 
@@ -299,11 +300,10 @@ def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]
     # the reference: the same run at scale 1 with the fix on, else the c_eff = 1 run the theory calls it equal
     # to (an eps / N repair of the bug: AdamW(c, eps) == AdamW(1, eps / c)), else the banded run it contrasts
     equivalents = dict(zip(*equivalent_references(runs)[["run", "equivalent"]].to_numpy().T)) if len(runs) else {}
-    contrasts = contrast_references(runs)
+    contrasts = {run: reference for run, (reference, _) in contrast_references(runs).items()}
     rows = []
     for r, paired in zip(runs.itertuples(), pair_references(runs)):
-        reference = (paired if paired not in (None, r.run) else
-                     equivalents.get(r.run, contrasts.get(r.run, (paired,))[0]))
+        reference = paired if paired not in (None, r.run) else equivalents.get(r.run) or contrasts.get(r.run)
         if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
             continue
         for metric in metrics:

@@ -305,10 +305,10 @@ MEMORY_LOOPS = {"bare": bare_loop, "suite, logged every step": functools.partial
 
 # --real-model: SmolLM2-135M at the size the issue measured, fp32 and bf16, the suite against a bare loop
 REAL_MODEL = ["model=smollm2_135m", "batch_size=16", "seq_len=128", "device=cpu", "wandb.mode=disabled"]
-REAL_PRECISIONS = ("fp32", "bf16")
 # each variant: its overrides and the precision of its matmul rate; compiled: Inductor fuses the elementwise work
 REAL_VARIANTS = {"fp32": (["precision=fp32"], "fp32"), "bf16": (["precision=bf16"], "bf16"),
                  "bf16 compiled": (["precision=bf16", "compile=true"], "bf16")}
+REAL_PRECISIONS = tuple(dict.fromkeys(precision for _, precision in REAL_VARIANTS.values()))
 REAL_LOOPS = {"bare": bare_loop, "suite": suite_loop}
 REAL_WARMUP, REAL_STEPS = 2, 5
 MATMUL_N = 2048
