@@ -120,6 +120,54 @@ def clipping_band(grad_norms, max_norm: float) -> tuple[float, float]:
     return float(max_norm / norms.max()), float(max_norm / norms.min())
 
 
+def handed_norms(grad_norms, c: float, max_norm: float | None):
+    """The norm of the gradient Adam is handed at multiplier c, step by step, from the grad norms measured at
+    c = 1: c * ||g_t||, clipped to max_norm (min(c ||g_t||, max_norm); torch's 1e-6 aside)."""
+    norms = c * np.asarray(grad_norms, dtype=float)
+    return norms if max_norm is None else np.minimum(norms, max_norm)
+
+
+def adam_norm_weighting(norms, betas: tuple[float, float] = (0.9, 0.999), steps_per_norm: int = 1):
+    """Adam's update size as a function of the handed norms h_t alone: EMA_beta1(h)_t / sqrt(EMA_beta2(h^2)_t),
+    both bias-corrected, per entry of `norms` (each standing for steps_per_norm steps: a run logged every 5th).
+    It is the norm-weighting approximation (docs/design.md physics 13): each step's gradient is its norm
+    times a direction that clipping does not change, and that norm is the same factor on every coordinate.
+    A constant factor on h cancels (scale invariance); a factor that varies from step to step does not."""
+    b1, b2 = betas
+    m = v = 0.0
+    t, out = 0, []
+    for h in np.asarray(norms, dtype=float):
+        for _ in range(steps_per_norm):
+            t += 1
+            m, v = b1 * m + (1 - b1) * h, b2 * v + (1 - b2) * h * h
+        out.append((m / (1 - b1**t)) / math.sqrt(v / (1 - b2**t)))
+    return np.asarray(out)
+
+
+def clipped_update_ratio(grad_norms, c: float, max_norm: float | None, c_ref: float = 1.0,
+                         betas: tuple[float, float] = (0.9, 0.999), steps_per_norm: int = 1):
+    """Predicted ratio of Adam's update size at multiplier c to that at c_ref, both clipped at max_norm, step by
+    step, from the grad norms measured at c = 1 (eps negligible: physics 3 covers it). 1 where both runs clip at
+    every step so far (case a) or neither does (case c); EMA(n) / sqrt(EMA(n^2)) where only the reference clips
+    (case b: the clipped run's handed norm is constant, the other's is not)."""
+    return (adam_norm_weighting(handed_norms(grad_norms, c, max_norm), betas, steps_per_norm)
+            / adam_norm_weighting(handed_norms(grad_norms, c_ref, max_norm), betas, steps_per_norm))
+
+
+def clipping_case(grad_norms, c: float, max_norm: float, c_ref: float = 1.0) -> str:
+    """Which of physics 13's cases a run at multiplier c is in against its reference at c_ref, both clipped at
+    max_norm, from the reference's grad norms at c = 1: "a" both clip at every step, "b" the reference clips at
+    every step and c at none, "c" neither clips, "mixed" otherwise."""
+    run, ref = (clipped_share(m, grad_norms, max_norm) for m in (c, c_ref))
+    if run == ref == 1.0:
+        return "a"
+    if run == ref == 0.0:
+        return "c"
+    if {run, ref} == {0.0, 1.0}:
+        return "b"
+    return "mixed"
+
+
 def crossing(c_values, deviations, threshold: float, side: str = "below") -> float:
     """The multiplier where the deviation from c = 1 first exceeds `threshold`, walking away from c = 1
     (side "below" or "above"), interpolated in log-log (deviations grow like a power of c; linearly in log c

@@ -8,7 +8,7 @@ recipe's loss weight, 1 for the global-token recipes) and calls backward. Then:
     grad      *= (N if fix else 1) / num_tokens    the world-size fix (torchtune PR 2172)
     grad      *= scale                             the studied factor c
     grad_norm  = ||grad||_2                        logged: what the optimizer is given, pre-clip
-    grad      *= min(1, max_norm / grad_norm)      optional clipping
+    grad      *= min(1, max_norm / (grad_norm + 1e-6))   optional clipping (torch's rule); the factor is logged
 
 With fix=True the optimizer sees the gradient of the global token-mean loss, g; with fix=False it
 sees g / N. The effective multiplier is c_eff = scale * (1 if fix else 1/N) (Recipe.c_eff).
@@ -77,24 +77,23 @@ class GradPipeline:
     @torch.no_grad()
     def apply(
         self, params: list[torch.Tensor], num_tokens: int, ranks: Ranks | None = None, measure: bool = True
-    ) -> tuple[torch.Tensor | None, torch.Tensor | bool]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Normalize, scale and (optionally) clip the gradients in place.
 
-        Returns the pre-clip grad norm and whether clipping acted, as 0-d tensors (no host sync). Without
-        clipping the norm is computed only when `measure` (a logged step): (None, False) otherwise.
+        Returns the pre-clip grad norm and the clip coefficient the gradients were multiplied by (1: not
+        clipped), as 0-d tensors (no host sync); the coefficient is None without clipping. Without clipping
+        the norm is computed only when `measure` (a logged step): None otherwise.
         """
         ranks = ranks or Ranks(world_size=self.world_size)
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_mul_(grads, self.factor(num_tokens, ranks_averaged=ranks.real))
-        if self.clip_grad_norm is None and not measure:
-            return None, False
-        norm = total_norm(grads, ranks)
         if self.clip_grad_norm is None:
-            return norm, torch.zeros((), dtype=torch.bool, device=norm.device)
-        # same rule as torch.nn.utils.clip_grad_norm_, without its host sync
+            return (total_norm(grads, ranks) if measure else None), None
+        norm = total_norm(grads, ranks)
+        # torch.nn.utils.clip_grad_norm_'s rule, without its host sync: users' loops clip this way, 1e-6 and all
         coef = torch.clamp(self.clip_grad_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef)
-        return norm, norm > self.clip_grad_norm
+        return norm, coef
 
 
 def total_norm(tensors: list[torch.Tensor], ranks: Ranks | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 TRAIN_LOSS = "train/loss"  # token-mean loss of the step's batch
 GRAD_NORM = "train/grad_norm"  # ||what the optimizer is given||, before clipping
 CLIPPED = "train/clipped"  # whether clipping scaled the step's gradient
+CLIP_COEF = "train/clip_coef"  # what clipping multiplied the gradient by (1: not clipped); only when clipping
 TOKENS = "train/tokens"  # trained tokens of the step
 LR = "train/lr"  # the first param group's lr (a hybrid's: its Muon part's)
 PARAM_NORM = "train/param_norm"

@@ -25,6 +25,7 @@ from experiments.metrics import RunLog
 from experiments.optim import adam_state_stats, sqrt_v_quantiles
 from experiments.parallel import Ranks, local
 from experiments.records import (
+    CLIP_COEF,
     CLIPPED,
     EVAL_LOSS,
     GRAD_NORM,
@@ -116,7 +117,8 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
                                                     autocast, device)
         logging_step = step % loop.log_every == 0 or step == steps - 1
         eval_step = (step + 1) % loop.eval_every == 0 or step == steps - 1
-        grad_norm, clipped = pipeline.apply(params, num_tokens, ranks, measure=logging_step)
+        grad_norm, clip_coef = pipeline.apply(params, num_tokens, ranks, measure=logging_step)
+        clipped = clip_coef < 1 if clip_coef is not None else torch.zeros((), dtype=torch.bool, device=device)
         clipped_steps += clipped
         rows_before = buckets.rows_before_step() if eval_step and buckets else None  # the update by token bucket
 
@@ -132,6 +134,7 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
                 TRAIN_LOSS: ranks.sum(loss_sum) / num_tokens,  # global token mean: independent of fix, scale
                 GRAD_NORM: grad_norm,
                 CLIPPED: clipped,
+                **({CLIP_COEF: clip_coef} if clip_coef is not None else {}),
                 UPDATE_RMS: update_rms,
                 PARAM_NORM: total_norm(params, ranks),
                 **adam_state_stats(optimizer, ranks),
