@@ -28,11 +28,20 @@ from omegaconf import OmegaConf
 
 from analysis.load import curve, read_jsonl, short_number
 from analysis.tables import pair_references
-from analysis.theory import Histogram, eps_dominated_share, histogram_of, tensor_group, update_rms_ratio
+from analysis.theory import (
+    Histogram,
+    clipped_share,
+    clipped_update_ratio,
+    clipping_case,
+    eps_dominated_share,
+    histogram_of,
+    tensor_group,
+    update_rms_ratio,
+)
 from experiments.checks import CommandParser
 from experiments.optimizers import advisable
 from experiments.optimizers import entry as optimizer_entry
-from experiments.records import UPDATE_RMS
+from experiments.records import GRAD_NORM, UPDATE_RMS
 from experiments.sweep import render_table
 
 WITHIN = 0.99  # update-RMS ratio at or above: "within 1%"
@@ -80,17 +89,84 @@ def load_histograms(run_dir: Path) -> tuple[float, dict[int, dict[str, Histogram
     return float(records[0]["eps"]), dict(sorted(steps.items()))
 
 
-def _optimizer_name(run_dir: Path) -> str | None:
+def _config_value(run_dir: Path, key: str):
     config = run_dir / ".hydra" / "config.yaml"
-    return OmegaConf.select(OmegaConf.load(config), "optimizer.name") if config.is_file() else None
+    return OmegaConf.select(OmegaConf.load(config), key) if config.is_file() else None
+
+
+def _optimizer_name(run_dir: Path) -> str | None:
+    return _config_value(run_dir, "optimizer.name")
+
+
+def clipping(run_dir: Path, scales: list[float]) -> dict | None:
+    """Where the run clips (clip_grad_norm = M): for each multiplier c, physics 13's case from the run's grad norms
+    at c = 1 (every logged step; step 0 alone from --gradient-only), the share of steps clipped in the fixed run
+    and at c, and Adam's update at c over the fixed run's at the last step (theory.clipped_update_ratio). None
+    when the run does not clip."""
+    max_norm = _config_value(run_dir, "clip_grad_norm")
+    if max_norm is None:
+        return None
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if GRAD_NORM in r]
+    if not records:
+        raise AdviseError(f"error: {run_dir} clips (clip_grad_norm={max_norm}) but logged no grad norm in "
+                          "metrics.jsonl; python -m experiments.advise records one")
+    steps, norms = [int(r["step"]) for r in records], np.array([r[GRAD_NORM] for r in records])
+    early, late = norms[: max(1, len(norms) // 4)], norms[-max(1, len(norms) // 4):]
+    return {"max_norm": float(max_norm), "steps": steps, "grad_norms": norms.tolist(),
+            "early_median": float(np.median(early)), "late_median": float(np.median(late)),
+            "predictions": [{"c": c, "case": clipping_case(norms, c, max_norm),
+                             "clipped_share_fixed": clipped_share(1.0, norms, max_norm),
+                             "clipped_share": clipped_share(c, norms, max_norm),
+                             "update_ratio_at_last_step": float(clipped_update_ratio(norms, c, max_norm)[-1])}
+                            for c in scales]}
+
+
+CASE_MEANS = {
+    "a": "both runs clip at every step: the bug vanishes (to float rounding in fp32, into the seed band in bf16)",
+    "b": "the fixed run clips at every step, the bug's at none: Adam weights the steps differently",
+    "c": "neither run clips: the unclipped answer above holds",
+    "mixed": "the runs clip on different steps: Adam weights those steps differently",
+}
+
+
+def format_clipping(clip: dict, labels: list[str], eps: float) -> str:
+    """One line per N (or c): physics 13's case, the clipped shares, and what to do."""
+    norms, max_norm = clip["grad_norms"], clip["max_norm"]
+    if len(norms) == 1:
+        head = (f"clipping at max_norm {short_number(max_norm)}, at step 0 only (one gradient, grad norm "
+                f"{short_number(norms[0], 3)}): the cases below are step 0's; a fine-tune's norms fall after its "
+                "first steps, so later steps clip less than step 0 says")
+    else:
+        head = (f"clipping at max_norm {short_number(max_norm)}, from the grad norms of {len(norms)} logged steps "
+                f"({short_number(min(norms), 3)}-{short_number(max(norms), 3)}; median "
+                f"{short_number(clip['early_median'], 3)} in the first quarter, {short_number(clip['late_median'], 3)}"
+                " in the last" + (": early norms run higher, so over a longer run later steps clip less)"
+                                  if clip["early_median"] > clip["late_median"] else ")"))
+    lines = [head]
+    for label, p in zip(labels, clip["predictions"]):
+        c = p["c"]
+        shares = (f"fixed run clipped at {p['clipped_share_fixed']:.0%} of the steps, the bug's at "
+                  f"{p['clipped_share']:.0%}")
+        if p["case"] == "a":
+            todo = "nothing to do while the norms stay above N x max_norm (the fix is still right)"
+        elif p["case"] == "c":
+            todo = f"as without clipping: the fix, or eps = {eps * c:g}"
+        else:
+            todo = (f"the fix, or both eps = {eps * c:g} and max_norm = {max_norm * c:g} "
+                    "(eps alone repairs nothing here)")
+        update = ("" if p["case"] in ("a", "c") or len(norms) == 1 else
+                  f"; Adam's update {p['update_ratio_at_last_step']:.3f} of the fixed run's at the last step")
+        lines.append(f"{label}: case ({p['case']}): {CASE_MEANS[p['case']]} ({shares}{update}). Do: {todo}")
+    return "\n".join(lines)
 
 
 def advise(run_dir: Path, scales: list[float], eps: float | None = None) -> dict:
     """The JSON contract: {"eps", "steps": [{"step", "predictions": [{"c", "update_rms_ratio",
-    "eps_dominated_share", "groups": {group: {...}}, "largest_eps_within_1pct"}]}]}."""
+    "eps_dominated_share", "groups": {group: {...}}, "largest_eps_within_1pct"}]}], "clipping": None or
+    {"max_norm", "grad_norms", "predictions": [{"c", "case", "clipped_share_fixed", "clipped_share", ...}]}}."""
     run_eps, steps = load_histograms(run_dir)
     eps = run_eps if eps is None else eps
-    out = {"run": str(run_dir), "eps": eps, "run_eps": run_eps, "steps": []}
+    out = {"run": str(run_dir), "eps": eps, "run_eps": run_eps, "steps": [], "clipping": clipping(run_dir, scales)}
     for step, groups in steps.items():
         predictions = []
         for c in scales:
@@ -279,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     print(format_advice(advice, labels))
+    if advice["clipping"] is not None:
+        print("\n" + format_clipping(advice["clipping"], labels, advice["eps"]))
     if args.json:
         args.json.write_text(json.dumps(advice, indent=1))
         print(f"json: {args.json}")

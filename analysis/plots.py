@@ -31,7 +31,15 @@ from analysis.tables import (
     seed_siblings,
 )
 from analysis.theory import clipped_share as predicted_clipped_share
-from experiments.records import EPS_DOMINATED, GRAD_NORM, TRAIN_LOSS, UPDATE_RMS, eval_loss_of, output_update_rms_of
+from experiments.records import (
+    CLIP_COEF,
+    EPS_DOMINATED,
+    GRAD_NORM,
+    TRAIN_LOSS,
+    UPDATE_RMS,
+    eval_loss_of,
+    output_update_rms_of,
+)
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
 # notebook shows each returned figure exactly once.
@@ -462,6 +470,23 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
     ax.set(xscale="log", xlabel="c_eff", ylabel="share of steps clipped", ylim=(-0.03, 1.03))
     plain_ticks(ax)
     _legend(fig, handles)
+    return fig
+
+
+def clip_coefficient(runs: pd.DataFrame, curves: pd.DataFrame):
+    """What clipping multiplied each logged step's gradient by (train/clip_coef, 1: not clipped), a panel per
+    clipped setup, a line per run; the legend gives each run's share of clipped steps over all its steps."""
+    clipped = runs[runs["clip"].notna()]
+    plot = CurveFigure(clipped.setup, "Clip coefficient min(1, max_norm / (||g|| + 1e-6)) at each logged step",
+                       log_y=True)
+    for r in clipped.itertuples():
+        seeds = f" seed={r.seed}" if clipped[clipped.setup == r.setup].seed.nunique() > 1 else ""
+        share = f"{r.clipped_steps / r.steps_done:.0%}" if r.steps_done else "-"
+        label = " ".join(filter(None, (r.setup, _label(r, clipped)))) + f"{seeds}: clipped at {share} of steps"
+        plot.draw(r.setup, curve(curves, r.run, CLIP_COEF), label)
+    fig = plot.finish("step", "clip coefficient")
+    for ax in plot.axes.values():
+        ax.set_ylim(top=1.25)  # nothing lies above 1
     return fig
 
 

@@ -30,7 +30,7 @@ from analysis.tables import (
 )
 from experiments.checks import CommandParser
 from experiments.frequency import BUCKETS
-from experiments.records import EPS_DOMINATED, EVAL_LOSS, eval_loss_of
+from experiments.records import CLIP_COEF, EPS_DOMINATED, EVAL_LOSS, eval_loss_of
 
 log = logging.getLogger(__name__)
 DPI = 200
@@ -58,6 +58,8 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame, advisor: pd.DataFrame) ->
         ("eps_collapse", (lambda: plots.eps_collapse(runs)) if several_eps else None,
          "needs runs at several eps for one optimizer"),
         ("clipping", (lambda: plots.clipping(runs, curves)) if clipped else None, "no run with clipping"),
+        ("clip_coefficient", (lambda: plots.clip_coefficient(runs, curves)) if (curves.metric == CLIP_COEF).any()
+         else None, "no run logged train/clip_coef (clip_grad_norm set)"),
         ("lr_separation", (lambda: plots.lr_separation(runs, curves)) if has_pairs and lrs_per_opt > 1 else None,
          "needs pairs with a reference at several learning rates"),
         ("final_loss_heatmap", (lambda: plots.final_loss_heatmap(runs)) if lrs_per_opt > 1 and c_per_opt > 1

@@ -8,6 +8,8 @@ would do to AdamW's update at each world size N (`python -m analysis.advise` on 
 --gradient-only it needs one gradient instead: Adam's first step has v_hat = g^2 exactly, so the step-0
 prediction needs no optimizer state and no step, only the memory of a forward and backward. Both modes
 print the memory they will need first, and refuse in one line when the device does not have it free.
+With clip_grad_norm=M, one more line per N: which case of docs/design.md physics 13 the grad norms put it in
+(both runs clipped, only the fixed one, neither, or some steps) and what to do.
 
     python -m experiments.advise model=smollm2_135m
     python -m experiments.advise model.path=/models/Llama-3.2-3B --gradient-only --world-sizes 8,64,512
@@ -25,6 +27,7 @@ from pathlib import Path
 
 from experiments.checks import CommandParser, ConfigError, override_key
 from experiments.optimizers import advisable
+from experiments.records import GRAD_NORM
 
 DEFAULT_STEPS = 20
 # what makes the run the advisor's reference: c = 1, records on every step
@@ -98,11 +101,13 @@ def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
     params = [p for p in job.model.parameters() if p.requires_grad]
     _, num_tokens = accumulate_gradients(job.model, inputs, targets, job.pipeline, job.ranks, run_cfg.grad_accum,
                                          job.autocast, job.device)
-    job.pipeline.apply(params, num_tokens, job.ranks, measure=False)
+    grad_norm, _ = job.pipeline.apply(params, num_tokens, job.ranks)
     records = gradient_records(job.optimizer, {p: n for n, p in job.model.named_parameters()})
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / ".hydra" / "config.yaml")
     (run_dir / "adam_stats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    # the step-0 grad norm before clipping, where a run's would be: the advisor's clipping lines read it
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, GRAD_NORM: grad_norm.item()}) + "\n")
     peak = (torch.cuda.max_memory_allocated(job.device) if job.device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     print(f"advise: measured peak {'allocated' if job.device.type == 'cuda' else 'resident'} memory "

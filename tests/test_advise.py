@@ -183,6 +183,39 @@ def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
     assert np.isfinite(summary["final_loss"])
 
 
+def test_experiments_advise_says_the_clipping_case_per_world_size(cache_dir, tmp_path):
+    """clip_grad_norm=0.05 on the tiny model (grad norms about 0.6-1.2): at N = 8 both runs clip at every step
+    (a), at N = 64 only the fixed run does (b), at N = 20 some steps (mixed); clip_grad_norm=100: none (c).
+    The 20-step mode reads every step's norm, --gradient-only step 0's and says so."""
+    env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "experiments.advise", *TINY, "steps=6", "--world-sizes", "8,20,64"]
+    commands = {"run": [*base, "clip_grad_norm=0.05", f"hydra.run.dir={tmp_path / 'run'}", "--json",
+                        str(tmp_path / "run.json")],
+                "gradient": [*base, "clip_grad_norm=0.05", f"hydra.run.dir={tmp_path / 'gradient'}", "--gradient-only"],
+                "never": [*base, "clip_grad_norm=100", f"hydra.run.dir={tmp_path / 'never'}", "--gradient-only"]}
+    procs = {k: subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, c in commands.items()}
+    out, printed = {}, {}
+    for key, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        printed[key] = stdout
+        out[key] = {line.split(":")[0]: line for line in stdout.splitlines() if re.match(r"N=\d+: case", line)}
+        assert list(out[key]) == ["N=8", "N=20", "N=64"], stdout
+    run = out["run"]
+    assert "case (a)" in run["N=8"] and "fixed run clipped at 100% of the steps, the bug's at 100%" in run["N=8"]
+    assert "case (b)" in run["N=64"] and "the bug's at 0%" in run["N=64"]
+    assert "both eps = 1.5625e-10 and max_norm = 0.00078125" in run["N=64"]
+    assert "case (mixed)" in run["N=20"]
+    norms = json.loads((tmp_path / "run.json").read_text())["clipping"]["grad_norms"]
+    assert len(norms) == 6 and min(norms) / 20 < 0.05 < max(norms) / 20  # the mixed case is real, not assumed
+    assert all("case (c)" in line and "eps = " in line for line in out["never"].values())
+    assert "at step 0 only" in printed["gradient"] and "at step 0 only" not in printed["run"]
+    assert "early norms run higher" in printed["run"] or "median" in printed["run"]
+    step_0 = read_jsonl(tmp_path / "gradient" / "metrics.jsonl")
+    assert len(step_0) == 1 and step_0[0]["train/grad_norm"] == pytest.approx(norms[0], rel=1e-5)
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--world-sizes", "8,abc"], "error: --world-sizes='8,abc' is not a comma-separated list of integers"),
     (["--scales=-1"], "error: --scales='-1': every value must be > 0"),

@@ -253,6 +253,15 @@ def test_eps_collapse_and_clipping_figures():
     assert np.allclose(measured.get_ydata(), [0, 0.4, 1.0])
     # the reference's norms are 1.0 .. 1.4: at c = 1 four of five steps exceed max_norm = 1, at c = 64 all do
     assert predicted.get_ydata()[0] == pytest.approx(0.8) and predicted.get_ydata()[-1] == 1.0
+    coefs = pd.concat([curves, pd.DataFrame(
+        [(r, step, "train/clip_coef", min(1.0, 1 / (c * (1 + 0.1 * step))))
+         for r, c in zip(clipped.run, clipped.c_eff) for step in range(5)], columns=curves.columns)])
+    fig = plots.clip_coefficient(clipped, coefs)
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert len(lines) == 3
+    assert np.allclose(lines["_child0"].get_ydata(), [1 / (1 + 0.1 * step) for step in range(5)])  # c = 1
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any(text.endswith("clipped at 100% of steps") for text in legend)
 
 
 def test_torn_last_line_is_tolerated(tmp_path):
