@@ -126,6 +126,7 @@ def test_meaning_gives_sgds_lr_factor_and_adams_threshold():
     assert "SGD: the lr is in effect x0.125" in text and "sqrt(v_hat) < 6.2e-07" in text
     assert update_ratio(0.125, 6.2e-7, 1e-8) == pytest.approx(0.9)
     assert "no coordinate's update moves" in meaning(1.05)
+    assert "clips the right gradient at M / 0.125 = 8 M instead" in text and "repair with eps and M both x0.125" in text
 
 
 def test_a_bad_target_is_one_line_before_any_rank_starts():

@@ -239,7 +239,8 @@ def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[f
 def meaning(c: float, eps: float | None = None, by: float = 0.1) -> str:
     """What a uniform multiplier c does: SGD's lr times c; AdamW's update per coordinate times
     (s + eps) / (s + eps / c), off by more than `by` where sqrt(v_hat) = s is below the threshold (eps: AdamW's
-    default unless given)."""
+    default unless given); and a clipping threshold max_norm acts as max_norm / c on the right gradient
+    (docs/design.md physics 13)."""
     from analysis.theory import departure_threshold
     from experiments.optimizers.adamw import AdamWConfig
 
@@ -247,12 +248,15 @@ def meaning(c: float, eps: float | None = None, by: float = 0.1) -> str:
 
     sgd = f"SGD: the lr is in effect x{c:.4g}"
     threshold = departure_threshold(c, eps, by)
+    effect = ("steps it should clip go unclipped: AdamW feels that; without the fix, repair with eps and M both "
+              f"x{c:.4g}" if c < 1 else "steps it should not clip get clipped: AdamW feels that")
+    clip = f"; clipping at max_norm M clips the right gradient at M / {c:.4g} = {1 / c:.4g} M instead ({effect})"
     if threshold is None:
-        return f"{sgd}; AdamW (eps {eps:g}): no coordinate's update moves by more than {by:.0%}"
+        return f"{sgd}; AdamW (eps {eps:g}): no coordinate's update moves by more than {by:.0%}{clip}"
     way = "cut" if c < 1 else "raised"
     return (f"{sgd}; AdamW (eps {eps:g}): a coordinate's update is {way} by more than {by:.0%} where "
             f"sqrt(v_hat) < {threshold:.2g} (the advisor measures that share on your model: "
-            "python -m experiments.advise)")
+            f"python -m experiments.advise){clip}")
 
 
 # ---------------------------------------------------------------------------------------------
