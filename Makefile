@@ -2,13 +2,14 @@
 # make test-fast: ruff + the tests not marked slow, distributed or gpu (the edit loop).
 # Both create .venv if missing and install the project into it (editable, with the dev extra).
 # make test also prepares the GPU check's carry (.whl/) and its rehearsal environment (.rehearsal/), which
-# tests/test_device_check.py runs the check in (scripts/device_rehearsal.sh; docs/scaling-out.md).
+# tests/test_device_check.py runs the check in (scripts/device_rehearsal.sh; docs/scaling-out.md), and the wheel's
+# environment (.wheelenv/), which tests/test_install.py uses from outside the clone (scripts/wheel_env.sh).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SWEEP_ARGS ?=
 
-.PHONY: sweep test test-fast install carry rehearsal peers clean
+.PHONY: sweep test test-fast install carry rehearsal peers wheelenv clean
 
 install: $(VENV)/.installed
 
@@ -25,7 +26,7 @@ carry: .whl/.complete
 	touch $@
 
 # The audit's peer frameworks (pyproject's `peers` extra, its pins) in a folder of their own, put on the path only by
-# the adapters that need them (experiments/audit/adapters.py says why).
+# the adapters that need them (gradscale/audit/adapters.py says why).
 peers: .peers/.complete
 
 .peers/.complete: pyproject.toml | $(VENV)/.installed
@@ -39,6 +40,11 @@ rehearsal: .rehearsal/.complete
 	scripts/device_rehearsal.sh --install-only
 	touch $@
 
+# gradscale as a user installs it: the wheel of this clone in a fresh environment of its own (.wheelenv/), which
+# tests/test_install.py uses from outside the clone. Built once, the wheel reinstalled on every call.
+wheelenv: | $(VENV)/.installed
+	PYTHON=$(PY) scripts/wheel_env.sh
+
 ifndef SWEEP_DIR
 SWEEP_DIR := multirun/$(shell date +%Y-%m-%d/%H-%M-%S)
 endif
@@ -47,15 +53,15 @@ endif
 sweep: install
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m experiments.run -m optimizer=sgd,adamw scale=1,8 \
 		hydra/launcher=local_parallel hydra.sweep.dir=$(SWEEP_DIR) $(SWEEP_ARGS)
-	$(PY) -m analysis.report $(SWEEP_DIR)
+	$(PY) -m gradscale.analysis.report $(SWEEP_DIR)
 
-test: install carry rehearsal peers
+test: install carry rehearsal peers wheelenv
 	$(VENV)/bin/ruff check .
-	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 $(PY) -m pytest
+	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 GRADSCALE_REQUIRE_WHEELENV=1 $(PY) -m pytest
 
 test-fast: install
 	$(VENV)/bin/ruff check .
 	WANDB_MODE=disabled $(PY) -m pytest -m "not slow and not distributed and not gpu"
 
 clean:
-	rm -rf $(VENV) .whl .rehearsal .peers device_check outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) .whl .rehearsal .peers .wheelenv device_check outputs multirun .pytest_cache .ruff_cache

@@ -1,7 +1,7 @@
-"""A training step as `python -m experiments.audit` takes it (docs/audit.md):
+"""A training step as `gradscale-audit` takes it (docs/audit.md):
 
-    python -m experiments.audit examples.audit_step:step          # flagged: gradients 1/K with accumulation
-    python -m experiments.audit examples.audit_step:fixed_step    # passes
+    gradscale-audit examples.audit_step:step          # flagged: gradients 1/K with accumulation
+    gradscale-audit examples.audit_step:fixed_step    # passes
 """
 
 import torch

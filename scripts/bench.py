@@ -7,7 +7,7 @@
 In one process, on the same model (same init), batches and optimizer (the suite's AdamW, foreach), it
 times per optimizer step:
   bare                      forward, token-mean loss, backward, optimizer.step, zero_grad; nothing else
-  suite                     experiments.train.train as a run calls it: every metric on (grad norm, update
+  suite                     gradscale.train.train as a run calls it: every metric on (grad norm, update
                             RMS, parameter norm, Adam state statistics; metrics.jsonl written line by line)
                             every log_every = 5 steps, sqrt(v_hat) quantiles and a checkpoint every 50
   suite, logged every step  the same with log_every = 1
@@ -19,7 +19,7 @@ over repeats is reported with a 95% bootstrap interval: the machine's noise, mad
 default 50 timed steps the suite logs, keeps statistics and checkpoints in the proportions of a real
 run. Also the model FLOP/s of the suite (6 * parameters * tokens plus attention) against this
 machine's fp32 matrix-multiply rate measured in the same run. Every loop runs with the suite's
-process setting (experiments.cache.keep_freed_memory; set GLIBC_TUNABLES to run them all without it);
+process setting (gradscale.cache.keep_freed_memory; set GLIBC_TUNABLES to run them all without it);
 --allocator N times the default run with glibc's malloc settings against the suite's, and --sweep N the
 default 4-run sweep with the basic launcher against hydra/launcher=local_parallel: wall times, start-up
 included, with the runs' page faults and kernel time, median of N, interleaved.
@@ -72,29 +72,38 @@ ROOT = Path(__file__).resolve().parent.parent
 # --against's measurements of an earlier commit run this script on that commit's code (a git worktree)
 CODE = Path(os.environ.get("GRADSCALE_BENCH_CODE", ROOT))
 sys.path.insert(0, str(CODE))
+# the measured code's package: gradscale, or experiments in a commit before the one namespace
+CODE_PACKAGE = "gradscale" if (CODE / "gradscale").is_dir() else "experiments"
 
-from experiments import cache  # noqa: E402  (after the path: the script runs from anywhere)
-from experiments.checks import CommandParser  # noqa: E402
+
+def measured_module(module: str):
+    """A module of the code being measured (this checkout's, or --against's commit's)."""
+    import importlib
+
+    return importlib.import_module(f"{CODE_PACKAGE}.{module}")
+
+
+from gradscale import cache  # noqa: E402  (after the path: the script runs from anywhere)
+from gradscale.checks import CommandParser  # noqa: E402
 
 
 def build(overrides: list[str]):
-    """The run's config and its job, built as a run builds them (experiments.job.build_job)."""
-    from experiments.config import validate
-    from experiments.job import build_job
-
-    if (CODE / "experiments" / "hydra_glue.py").exists():
-        from experiments.hydra_glue import compose, to_object
-        from experiments.probes import check_environment
+    """The run's config and its job, built as a run builds them (gradscale.job.build_job)."""
+    validate, build_job = measured_module("config").validate, measured_module("job").build_job
+    if (CODE / CODE_PACKAGE / "hydra_glue.py").exists():
+        compose, to_object = measured_module("hydra_glue").compose, measured_module("hydra_glue").to_object
+        check_environment = measured_module("probes").check_environment
     else:  # --against a commit before 61b43df: these lived in its config.py, next to its conf/ (this script's
         # own helpers come from this checkout through its editable install; the code measured is the commit's)
-        from experiments.config import check_environment, compose, to_object
+        old = measured_module("config")
+        check_environment, compose, to_object = old.check_environment, old.compose, old.to_object
     cfg = compose([*overrides, "wandb.mode=disabled"])
     validate(cfg, overrides=[])
     check_environment(cfg)
     run_cfg = to_object(cfg)
     try:
-        from experiments.pretrain import prepare_weights
-    except ImportError:  # --against a commit before 61b43df: its build_job builds the pretrained base itself
+        prepare_weights = measured_module("pretrain").prepare_weights
+    except (ImportError, AttributeError):  # --against a commit before 61b43df: its build_job builds the base itself
         pass
     else:
         prepare_weights(run_cfg.model)
@@ -164,7 +173,7 @@ class Interleaved:
 
 def bare_loop(job, cfg, steps: int) -> None:
     """Forward, token-mean loss, backward, step, zero_grad: nothing else."""
-    from experiments.grads import token_loss_sum
+    token_loss_sum = measured_module("grads").token_loss_sum
 
     model, optimizer, device = job.model, job.optimizer, job.device
     for step in range(steps):
@@ -178,12 +187,11 @@ def bare_loop(job, cfg, steps: int) -> None:
 
 
 def suite_loop(job, cfg, steps: int, log_every: int | None = None, metrics: bool = True) -> None:
-    """experiments.train.train as a run calls it: metrics.jsonl, Adam statistics and checkpoints at the
+    """gradscale.train.train as a run calls it: metrics.jsonl, Adam statistics and checkpoints at the
     config's intervals (logged every cfg.log_every steps, or every `log_every`); metrics=False: none of
     them (only the warm-up and the last step log, outside the clock's interval)."""
-    from experiments.checkpoint import Checkpointer
-    from experiments.metrics import RunLog
-    from experiments.train import LoopConfig, train
+    Checkpointer, RunLog = measured_module("checkpoint").Checkpointer, measured_module("metrics").RunLog
+    LoopConfig, train = measured_module("train").LoopConfig, measured_module("train").train
 
     loop = replace(LoopConfig.of(cfg), steps=steps, log_every=(log_every or cfg.log_every) if metrics else steps,
                    eval_every=steps, eval_batches=1, adam_stats_every=cfg.adam_stats_every if metrics else None)
@@ -263,7 +271,7 @@ WALL_TIMED = {
 
 
 def wall_times(variants: dict[str, tuple[list[str], dict]], repeats: int) -> dict[str, dict[str, float]]:
-    """Per variant, `python -m experiments.run ARGS` (start-up included), interleaved, median of `repeats`:
+    """Per variant, `python -m gradscale.run ARGS` (start-up included), interleaved, median of `repeats`:
     wall s, and from the child's resource usage its minor page faults and kernel CPU s. Each run gets its
     own threads and malloc settings (none inherited from this process)."""
     measured: dict[str, dict[str, list[float]]] = {name: {"wall s": [], "minor faults": [], "kernel s": []}
@@ -275,7 +283,7 @@ def wall_times(variants: dict[str, tuple[list[str], dict]], repeats: int) -> dic
             with tempfile.TemporaryDirectory() as tmp:
                 usage, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
                 proc = subprocess.run(
-                    [sys.executable, "-m", "experiments.run", *args, "wandb.mode=disabled",
+                    [sys.executable, "-m", "gradscale.run", *args, "wandb.mode=disabled",
                      f"hydra.run.dir={tmp}/run", f"hydra.sweep.dir={tmp}/sweep"],
                     cwd=ROOT, capture_output=True, text=True, env=base_env | env,
                 )
@@ -385,9 +393,8 @@ def real_model(overrides: list[str], repeats: int, steps: int, against: str | No
 
 
 def to_object_of(overrides: list[str]):
-    from experiments.hydra_glue import compose, to_object
-
-    return to_object(compose(overrides))
+    glue = measured_module("hydra_glue")
+    return glue.to_object(glue.compose(overrides))
 
 
 def probe(tree: Path, args: list[str]) -> list[str]:
@@ -418,7 +425,7 @@ def worktree(ref: str):
 
 def with_overrides(defaults: list[str], overrides: list[str]) -> list[str]:
     """defaults, each replaced by an override of the same key (Hydra refuses a key given twice)."""
-    from experiments.checks import override_key
+    from gradscale.checks import override_key
 
     keys = {override_key(o) for o in overrides}
     return [d for d in defaults if override_key(d) not in keys] + overrides
@@ -535,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         print_memory(*memory(args.overrides, args.memory))
         return 0
 
-    from experiments.optimizers import build_optimizer
+    build_optimizer = measured_module("optimizers").build_optimizer
 
     cache.keep_freed_memory()  # as every suite job does, so every loop here runs with it
 

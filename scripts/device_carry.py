@@ -27,7 +27,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the script runs from anywhere
-from experiments.checks import CommandParser  # noqa: E402
+from gradscale.checks import CommandParser  # noqa: E402
 
 CARRY_LIST = ROOT / "scripts" / "device_carry.txt"
 IMAGE_LIST = ROOT / "scripts" / "device_image.txt"

@@ -132,11 +132,11 @@ part() {
   echo "$name: $status in $((SECONDS - started)) s" | tee -a "$summary"
 }
 
-run=("$PY" -m experiments.run)
+run=("$PY" -m gradscale.run)
 for precision in fp32 bf16; do
   part "default_sweep_$precision" 180 "${run[@]}" -m optimizer=sgd,adamw scale=1,8 device=$device \
     precision=$precision "${shrink[@]}" hydra.sweep.dir="$out/default_sweep_$precision"
-  [ -d "$out/default_sweep_$precision" ] && part "report_$precision" 60 "$PY" -m analysis.report \
+  [ -d "$out/default_sweep_$precision" ] && part "report_$precision" 60 "$PY" -m gradscale.analysis.report \
     "$out/default_sweep_$precision"
 done
 part gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
@@ -149,7 +149,7 @@ then
   part smollm2 60 "${run[@]}" -m model=smollm2_135m steps=10 fix=true,false device=$device "${shrink[@]}" \
     hydra.sweep.dir="$out/smollm2"
 elif [ -z "$only" ] || [[ ",$only," == *",smollm2,"* ]]; then
-  echo "smollm2: skipped (its checkpoint is not cached here; it needs one fetch: python -m experiments.run model=smollm2_135m steps=1)" | tee -a "$summary"
+  echo "smollm2: skipped (its checkpoint is not cached here; it needs one fetch: python -m gradscale.run model=smollm2_135m steps=1)" | tee -a "$summary"
 fi
 
 # the numbers to quote: per job its scale, fix, c_eff, step-0 grad norm, final loss, wall time and peak memory; per

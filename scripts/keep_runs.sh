@@ -2,7 +2,7 @@
 # Keep a long study's finished runs in the repository, so that the next working session finds them (run
 # folders outside it may not survive) and its re-run of the same sweep skips them:
 #   scripts/keep_runs.sh SWEEP_DIR          e.g. scripts/keep_runs.sh studies/smollm2_long_finetune
-# A run is kept when it is finished as a re-run sees it (experiments.sweep.is_finished: completed or
+# A run is kept when it is finished as a re-run sees it (gradscale.sweep.is_finished: completed or
 # diverged) and holds no checkpoint. Its adam_stats.jsonl is gzipped (analysis reads FILE.jsonl.gz the same
 # way; about 5 MB a 600-step SmolLM2 run before), and only what the analysis reads is staged with git add:
 # .hydra/, metrics.jsonl, adam_stats.jsonl.gz, summary.json, run.log. A running, killed or failed job is left
@@ -21,7 +21,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$( [ -x "$root/.venv/bin/python" ] && echo "$root/.venv/bin/python" || echo python3 )}
 kept=0
 for run in "$sweep"/*/; do
-  finished=$(cd "$root" && "$PY" -c 'import sys; from pathlib import Path; from experiments.sweep import is_finished
+  finished=$(cd "$root" && "$PY" -c 'import sys; from pathlib import Path; from gradscale.sweep import is_finished
 print(is_finished(Path(sys.argv[1])))' "$run")
   if [ "$finished" != True ] || ls "$run"/checkpoint.pt "$run"/.checkpoint.pt.tmp* >/dev/null 2>&1; then
     continue

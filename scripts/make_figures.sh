@@ -4,7 +4,7 @@
 # (about 50 minutes on 2 CPU cores; width_scaling and its two other arms about 16 more), then the two
 # SmolLM2 presets (about 25 and 30 more) and the advisor on SmolLM2 (about 9); each study is
 # `scripts/study.sh NAME`, i.e.
-#   python -m experiments.run -m experiment=NAME
+#   python -m gradscale.run -m experiment=NAME
 # Sweeps go to multirun/figures/NAME (replaced). One thread per run, as the findings were measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,16 +15,16 @@ studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precis
 if [ -z "${*:-}" ]; then
   rm -rf multirun/figures/default_sweep
   env -u OMP_NUM_THREADS make sweep SWEEP_DIR=multirun/figures/default_sweep
-  "$PY" -m analysis.report multirun/figures/default_sweep --out docs/figures/default_sweep
+  "$PY" -m gradscale.analysis.report multirun/figures/default_sweep --out docs/figures/default_sweep
 fi
 for name in $studies; do
   rm -rf "multirun/figures/$name"
   STUDY_DIR="multirun/figures/$name" PYTHON="$PY" scripts/study.sh "$name" wandb.mode=disabled
-  "$PY" -m analysis.report "multirun/figures/$name" --out "docs/figures/$name"
+  "$PY" -m gradscale.analysis.report "multirun/figures/$name" --out "docs/figures/$name"
 done
 if [[ " $studies " == *" smollm2_breakdown "* ]]; then  # docs/analysis.md's advisor output on SmolLM2, and its figure
   rm -rf multirun/figures/advise_smollm2
-  "$PY" -m experiments.advise model=smollm2_135m optimizer.lr=1e-5 batch_size=8 seq_len=64 \
+  "$PY" -m gradscale.advise model=smollm2_135m optimizer.lr=1e-5 batch_size=8 seq_len=64 \
     hydra.run.dir=multirun/figures/advise_smollm2 --world-sizes 8,64,512,4096 --json multirun/figures/advise_smollm2/advice.json
   mkdir -p docs/figures/advise_smollm2
   cp multirun/figures/advise_smollm2/advice.{png,json} docs/figures/advise_smollm2/
@@ -35,15 +35,15 @@ if [[ " $studies " == *" width_scaling "* ]]; then
   for arm in "depth model.hidden_size=64 model.num_hidden_layers=1,2,4,8" \
              "pretrained model.init=pretrained model.hidden_size=32,64,128"; do
     rm -rf "multirun/figures/width_scaling_${arm%% *}"
-    "$PY" -m experiments.run -m experiment=width_scaling ${arm#* } hydra.sweep.dir="multirun/figures/width_scaling_${arm%% *}"
+    "$PY" -m gradscale.run -m experiment=width_scaling ${arm#* } hydra.sweep.dir="multirun/figures/width_scaling_${arm%% *}"
   done
   point=multirun/figures/advise_smollm2
-  "$PY" -m analysis.scaling multirun/figures/width_scaling{,_depth,_pretrained} --out docs/figures/width_scaling \
+  "$PY" -m gradscale.analysis.scaling multirun/figures/width_scaling{,_depth,_pretrained} --out docs/figures/width_scaling \
     $([ -d "$point" ] && echo --point "$point")
 fi
 for pair in 01_world_size_fix:world_size_fix 02_adam_invariance_breakdown:scale_sweep; do
   notebook=${pair%%:*} sweep=multirun/figures/${pair##*:}
   if [ -d "$sweep" ]; then  # --out: the committed notebook, on purpose
-    "$PY" -m analysis.notebook "analysis/notebooks/$notebook.py" "$sweep" --out "analysis/notebooks/$notebook.ipynb"
+    "$PY" -m gradscale.analysis.notebook "gradscale/analysis/notebooks/$notebook.py" "$sweep" --out "gradscale/analysis/notebooks/$notebook.ipynb"
   fi
 done

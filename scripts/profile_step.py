@@ -3,7 +3,7 @@
     python scripts/profile_step.py [OVERRIDES ...] [--warmup 2] [--timed 3] [--rows 25]
 
 Builds the job as a run does (scripts/bench.py's build), keeps freed memory as a run does, runs the loop's
-step (experiments.train.accumulate_gradients, the gradient pipeline, optimizer.step, zero_grad) --warmup
+step (gradscale.train.accumulate_gradients, the gradient pipeline, optimizer.step, zero_grad) --warmup
 times, times --timed more, then profiles one and prints the ops by self CPU time, and again by input shape.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the script runs from anywhere
-from experiments.checks import CommandParser  # noqa: E402
+from gradscale.checks import CommandParser  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    from experiments.cache import keep_freed_memory
-    from experiments.train import accumulate_gradients
+    from gradscale.cache import keep_freed_memory
+    from gradscale.train import accumulate_gradients
 
     keep_freed_memory()
     cfg, job = bench.build(args.overrides)

@@ -11,5 +11,5 @@ if [[ "${1:-}" == ddp || "${1:-}" == fsdp2 ]]; then strategy=$1; shift; fi
 stamp=$(date +%Y-%m-%d/%H-%M-%S)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m experiments.run \
+exec "$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m gradscale.run \
   dist.strategy="$strategy" hydra.run.dir="outputs/$stamp" hydra.sweep.dir="multirun/$stamp" "$@"

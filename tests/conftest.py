@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.hydra_glue import (
+from gradscale.hydra_glue import (
     CONF_DIR,
     compose,  # noqa: F401  (tests import compose from here
 )
@@ -45,10 +45,10 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def run_in_process(run_dir: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
-    """Build, check and train as `experiments.run` does (experiments.run.run_job); returns (result, metrics)."""
-    from experiments.hydra_glue import to_object
-    from experiments.metrics import RunLog
-    from experiments.run import run_job
+    """Build, check and train as `gradscale.run` does (gradscale.run.run_job); returns (result, metrics)."""
+    from gradscale.hydra_glue import to_object
+    from gradscale.metrics import RunLog
+    from gradscale.run import run_job
 
     run_cfg = to_object(compose([*TINY, *overrides]))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,7 +78,7 @@ def train_records(records: list[dict]) -> list[dict]:
 
 @pytest.fixture
 def cli(cache_dir):
-    """Run `python -m experiments.run ARGS` in the project root; returns the CompletedProcess."""
+    """Run the user's command, `python -m experiments.run ARGS`, in the clone; returns the CompletedProcess."""
 
     def _run(args: list[str], timeout: float = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
         env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "HYDRA_FULL_ERROR": "",

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from analysis import advise, theory
-from analysis.load import load, read_jsonl
-from experiments.optim import sqrt_v_histograms, sqrt_v_quantiles
-from experiments.records import HIST_BINS
+from gradscale.analysis import advise, theory
+from gradscale.analysis.load import load, read_jsonl
+from gradscale.optim import sqrt_v_histograms, sqrt_v_quantiles
+from gradscale.records import HIST_BINS
 from tests.conftest import OFFLINE_ENV, ROOT, TINY
 
 
@@ -72,7 +72,8 @@ def test_predicted_ratio_and_share_match_a_per_coordinate_computation():
 
 
 def advise_cli(args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "analysis.advise", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gradscale.analysis.advise", *args], cwd=ROOT, capture_output=True,
+                          text=True,
                           env={**os.environ, **OFFLINE_ENV}, timeout=timeout)
 
 
@@ -86,7 +87,7 @@ def advisor_sweep(tmp_path_factory, cache_dir):
                 ["optimizer=sgd", f"hydra.run.dir={sweep / 'sgd'}"],
                 ["optimizer=adamw", "adam_stats_every=null", f"hydra.run.dir={sweep / 'no_records'}"])
     # side by side, one thread each: mostly start-up, single-threaded Python
-    procs = [subprocess.Popen([sys.executable, "-m", "experiments.run", *args, *TINY], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "gradscale.run", *args, *TINY], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in commands]
     for proc in procs:
         _, stderr = proc.communicate(timeout=300)
@@ -148,7 +149,7 @@ def test_advise_refuses_bad_input_in_one_line(advisor_sweep, case, args, says):
 
 def test_experiments_advise_runs_the_reference_and_advises(cache_dir, tmp_path):
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "experiments.advise", *TINY, "steps=3", f"hydra.run.dir={tmp_path / 'ref'}",
+    command = [sys.executable, "-m", "gradscale.advise", *TINY, "steps=3", f"hydra.run.dir={tmp_path / 'ref'}",
                "--world-sizes", "8,64", "--json", str(tmp_path / "ref.json")]
     # and --gradient-only: step 0 from one gradient (v_hat = g^2 at Adam's first step), side by side with it
     gradient_only = subprocess.Popen([*command[:-5], f"hydra.run.dir={tmp_path / 'gradient'}", "--gradient-only",
@@ -188,7 +189,7 @@ def test_experiments_advise_says_the_clipping_case_per_world_size(cache_dir, tmp
     (a), at N = 64 only the fixed run does (b), at N = 20 some steps (mixed); clip_grad_norm=100: none (c).
     The 20-step mode reads every step's norm, --gradient-only step 0's and says so."""
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "experiments.advise", *TINY, "steps=6", "--world-sizes", "8,20,64"]
+    base = [sys.executable, "-m", "gradscale.advise", *TINY, "steps=6", "--world-sizes", "8,20,64"]
     commands = {"run": [*base, "clip_grad_norm=0.05", f"hydra.run.dir={tmp_path / 'run'}", "--json",
                         str(tmp_path / "run.json")],
                 "gradient": [*base, "clip_grad_norm=0.05", f"hydra.run.dir={tmp_path / 'gradient'}", "--gradient-only"],
@@ -225,7 +226,7 @@ def test_experiments_advise_says_the_clipping_case_per_world_size(cache_dir, tmp
 def test_experiments_advise_checks_its_flags_before_the_reference_run(tmp_path, args, says):
     """Each bad flag: one line and exit 2 before the fine-tune, whose folder is never made."""
     run_dir = tmp_path / "ref"
-    proc = subprocess.run([sys.executable, "-m", "experiments.advise", *TINY, f"hydra.run.dir={run_dir}", *args],
+    proc = subprocess.run([sys.executable, "-m", "gradscale.advise", *TINY, f"hydra.run.dir={run_dir}", *args],
                           cwd=ROOT, env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == says and proc.stdout == ""
     assert not run_dir.exists()
@@ -235,7 +236,7 @@ def test_experiments_advise_checks_its_flags_before_the_reference_run(tmp_path, 
 def test_experiments_advise_refuses_what_will_not_fit_before_loading_anything(tmp_path, mode):
     """Llama 3.2 3B at 64 x 4096 tokens: terabytes of activations on any machine; one line, exit 2, no folder."""
     run_dir = tmp_path / "ref"
-    proc = subprocess.run([sys.executable, "-m", "experiments.advise", "model=llama3_2_3b", "batch_size=64",
+    proc = subprocess.run([sys.executable, "-m", "gradscale.advise", "model=llama3_2_3b", "batch_size=64",
                            "seq_len=4096", f"hydra.run.dir={run_dir}", *mode], cwd=ROOT,
                           env={**os.environ, **OFFLINE_ENV}, capture_output=True, text=True, timeout=120)
     what = "the gradient-only advisor" if mode else "the advisor's reference fine-tune"
@@ -249,8 +250,8 @@ def test_experiments_advise_refuses_what_will_not_fit_before_loading_anything(tm
 
 
 def test_memory_estimate_counts_parameters_on_the_meta_device():
-    from experiments import memory
-    from experiments.hydra_glue import compose, to_object
+    from gradscale import memory
+    from gradscale.hydra_glue import compose, to_object
 
     full = to_object(compose(["model=smollm2_135m"]))
     assert memory.parameter_counts(full) == (134515008, 134515008)  # SmolLM2-135M, tied embeddings counted once

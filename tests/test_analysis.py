@@ -12,15 +12,15 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import plots, theory
-from analysis.load import curve, load, read_jsonl, run_names, setup_labels, short_number
-from analysis.tables import crossing_cell, equivalent_references, pair_references
-from experiments.recipes import c_eff, normalization_in_effect
+from gradscale.analysis import plots, theory
+from gradscale.analysis.load import curve, load, read_jsonl, run_names, setup_labels, short_number
+from gradscale.analysis.tables import crossing_cell, equivalent_references, pair_references
+from gradscale.recipes import c_eff, normalization_in_effect
 from tests.conftest import TINY
 
 
 def synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"), lrs=(1e-3,), steps=5):
-    """A runs table and curves in the shape analysis.load returns; loss drifts away with log2(c)."""
+    """A runs table and curves in the shape gradscale.analysis.load returns; loss drifts away with log2(c)."""
     runs, curves = [], []
     for optimizer in optimizers:
         for lr in lrs:
@@ -282,7 +282,7 @@ def tiny_sweep(tmp_path_factory, cache_dir):
     args = ["-m", "optimizer=sgd,adamw", "optimizer.lr=1e-3,1e-2", "scale=1,8", "fix=true", *TINY, "adam_stats_every=2",
             f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
-    proc = subprocess.run([sys.executable, "-m", "experiments.run", *args], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gradscale.run", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sweep
@@ -335,7 +335,7 @@ def test_token_frequency_plots_draw_each_bucket_against_the_reference(tiny_sweep
 
 
 def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
-    from analysis.report import main
+    from gradscale.analysis.report import main
 
     assert main([str(tiny_sweep), "--out", str(tmp_path / "report")]) == 0
     out = tmp_path / "report"
@@ -352,7 +352,7 @@ def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
 def test_report_skips_figures_that_do_not_apply(tmp_path, cli):
     sweep = tmp_path / "one"
     assert cli(["-m", "scale=8", "fix=true", *TINY, f"hydra.sweep.dir={sweep}"]).returncode == 0
-    from analysis.report import main
+    from gradscale.analysis.report import main
 
     assert main([str(sweep), "--out", str(tmp_path / "r")]) == 0
     report = (tmp_path / "r" / "report.md").read_text()
@@ -361,14 +361,14 @@ def test_report_skips_figures_that_do_not_apply(tmp_path, cli):
 
 
 def test_report_on_a_missing_folder_is_one_line_error(tmp_path, capsys):
-    from analysis.report import main
+    from gradscale.analysis.report import main
 
     assert main([str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} does not exist"
 
 
 def test_report_refuses_an_out_it_cannot_write_before_any_figure(tiny_sweep, tmp_path, capsys):
-    from analysis.report import main
+    from gradscale.analysis.report import main
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -382,10 +382,10 @@ def test_report_refuses_an_out_it_cannot_write_before_any_figure(tiny_sweep, tmp
 def test_notebooks_execute_headless_on_a_tiny_sweep(tiny_sweep, tmp_path, name):
     import nbformat
 
-    from analysis.notebook import execute
+    from gradscale.analysis.notebook import execute
     from tests.conftest import ROOT
 
-    out = execute(ROOT / "analysis" / "notebooks" / f"{name}.py", tiny_sweep, tmp_path / f"{name}.ipynb")
+    out = execute(ROOT / "gradscale" / "analysis" / "notebooks" / f"{name}.py", tiny_sweep, tmp_path / f"{name}.ipynb")
     notebook = nbformat.read(out, as_version=4)
     images = [o for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if "image/png" in o.get("data", {})]
@@ -395,24 +395,24 @@ def test_notebooks_execute_headless_on_a_tiny_sweep(tiny_sweep, tmp_path, name):
 
 
 def test_notebook_command_writes_into_the_sweep_never_over_the_committed_notebook(tiny_sweep, tmp_path, capsys):
-    from analysis.notebook import main
+    from gradscale.analysis.notebook import main
     from tests.conftest import ROOT
 
-    committed = ROOT / "analysis" / "notebooks" / "01_world_size_fix.ipynb"
+    committed = ROOT / "gradscale" / "analysis" / "notebooks" / "01_world_size_fix.ipynb"
     before = committed.read_bytes()
     sweep = tmp_path / "sweep"
     shutil.copytree(tiny_sweep, sweep)
-    assert main([str(ROOT / "analysis" / "notebooks" / "01_world_size_fix.py"), str(sweep)]) == 0
+    assert main([str(ROOT / "gradscale" / "analysis" / "notebooks" / "01_world_size_fix.py"), str(sweep)]) == 0
     assert (sweep / "notebooks" / "01_world_size_fix.ipynb").is_file()
     assert capsys.readouterr().out.strip() == f"wrote {sweep / 'notebooks' / '01_world_size_fix.ipynb'}"
     assert committed.read_bytes() == before
 
 
 def test_notebook_command_refuses_bad_input_in_one_line(tmp_path, capsys):
-    from analysis.notebook import main
+    from gradscale.analysis.notebook import main
     from tests.conftest import ROOT
 
-    notebook = str(ROOT / "analysis" / "notebooks" / "01_world_size_fix.py")
+    notebook = str(ROOT / "gradscale" / "analysis" / "notebooks" / "01_world_size_fix.py")
     assert main([notebook, str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope'} is not a sweep folder (it does not exist)"
     assert main([str(tmp_path / "nope.py"), str(tmp_path)]) == 2
@@ -428,7 +428,7 @@ def test_notebook_command_refuses_bad_input_in_one_line(tmp_path, capsys):
 
 
 def test_report_logs_one_offline_wandb_analysis_run(tiny_sweep, tmp_path, monkeypatch):
-    from analysis.report import main
+    from gradscale.analysis.report import main
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert main([str(tiny_sweep), "--out", str(tmp_path / "r"), "--wandb"]) == 0
@@ -437,7 +437,7 @@ def test_report_logs_one_offline_wandb_analysis_run(tiny_sweep, tmp_path, monkey
 
 
 def test_share_below_reads_the_distribution_off_the_quantiles():
-    from analysis.theory import share_below
+    from gradscale.analysis.theory import share_below
 
     q = {"q01": 1e-9, "q10": 1e-8, "q50": 1e-6, "q90": 1e-4, "q99": 1e-3}
     assert share_below(q, 1e-8) == pytest.approx(0.10)
@@ -453,13 +453,13 @@ def test_share_below_reads_the_distribution_off_the_quantiles():
     ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", "attention"),
 ])
 def test_tensor_groups(name, group):
-    from analysis.theory import tensor_group
+    from gradscale.analysis.theory import tensor_group
 
     assert tensor_group(name) == group
 
 
 def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
-    from analysis.tables import seed_band_table, seed_siblings
+    from gradscale.analysis.tables import seed_band_table, seed_siblings
 
     runs, curves = synthetic(c_values=(1.0, 0.125), optimizers=("adamw",))
     fixed = runs.iloc[0]

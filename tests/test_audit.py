@@ -1,4 +1,4 @@
-"""The audit (experiments/audit): its batch and layout, its comparison on made-up gradients, and on real gloo ranks
+"""The audit (gradscale/audit): its batch and layout, its comparison on made-up gradients, and on real gloo ranks
 every zoo bug flagged with the multiplier its mechanism predicts while every fix passes (its mutation self-test),
 the real HF Trainer, a user's own step, and the command's bad input."""
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from experiments.audit import (
+from gradscale.audit import (
     TOLERANCE,
     AuditError,
     Result,
@@ -27,7 +27,7 @@ from experiments.audit import (
     report,
     resolve_target,
 )
-from experiments.audit.zoo import ZOO
+from gradscale.audit.zoo import ZOO
 from tests.conftest import OFFLINE_ENV, ROOT
 
 GRID = [(n, k) for n in (1, 2, 4) for k in (1, 4)]
@@ -51,7 +51,7 @@ def test_layout_deals_every_sequence_once_raggedly_with_one_empty_micro_batch(n,
 
 
 def made_up(reference: dict[str, torch.Tensor], **scale_by_group) -> dict[str, torch.Tensor]:
-    from analysis.theory import tensor_group
+    from gradscale.analysis.theory import tensor_group
 
     return {n: g * scale_by_group.get(tensor_group(n).split()[0], 1.0) for n, g in reference.items()}
 
@@ -105,7 +105,7 @@ def test_compare_flags_a_small_group_off_within_the_overall_residual_and_renamed
 
 
 def test_the_json_has_no_nan_at_any_depth(reference):
-    from experiments.audit import as_json
+    from gradscale.audit import as_json
 
     nan = dict(reference)
     nan["model.norm.weight"] = reference["model.norm.weight"] * math.nan
@@ -120,7 +120,7 @@ def test_compare_flags_ranks_that_disagree(reference):
 
 
 def test_meaning_gives_sgds_lr_factor_and_adams_threshold():
-    from analysis.theory import update_ratio
+    from gradscale.analysis.theory import update_ratio
 
     text = meaning(0.125)
     assert "SGD: the lr is in effect x0.125" in text and "sqrt(v_hat) < 6.2e-07" in text
@@ -135,7 +135,7 @@ def test_a_bad_target_is_one_line_before_any_rank_starts():
     with pytest.raises(AuditError, match="cannot import 'no_such_module'"):
         resolve_target("no_such_module:step")
     with pytest.raises(AuditError, match="has no function 'nope'"):
-        resolve_target("experiments.audit.zoo:nope")
+        resolve_target("gradscale.audit.zoo:nope")
 
 
 @pytest.mark.parametrize("args,message", [
@@ -148,7 +148,7 @@ def test_a_bad_target_is_one_line_before_any_rank_starts():
      "--json /nonexistent/x.json: its folder '/nonexistent' does not exist"),
 ])
 def test_the_command_refuses_bad_input_in_one_line_before_work(args, message):
-    proc = subprocess.run([sys.executable, "-m", "experiments.audit", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gradscale.audit", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **OFFLINE_ENV})
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and message in proc.stderr
@@ -221,7 +221,7 @@ def test_gradscales_own_recipes_and_the_docs_fixed_example_audit_as_documented(a
 def test_the_docs_example_step_is_flagged_at_one_over_k_from_the_command_line(tmp_path):
     """examples/audit_step.py, docs/audit.md's example: divided by K on top of the global token count."""
     out = tmp_path / "audit.json"
-    proc = subprocess.run([sys.executable, "-m", "experiments.audit", "examples.audit_step:step", "--world-sizes",
+    proc = subprocess.run([sys.executable, "-m", "gradscale.audit", "examples.audit_step:step", "--world-sizes",
                            "1,2", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, **OFFLINE_ENV})
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -256,17 +256,18 @@ def test_trl_and_torchtune_pass_and_torchtunes_pre_fix_factor_is_one_over_n(audi
 
 
 def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
-    from experiments.audit import adapters
+    from gradscale.audit import adapters
 
     monkeypatch.setattr(adapters, "PEERS_DIR", tmp_path / "none")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
-    with pytest.raises(AuditError, match=r"error: torchtune is not installed: pip install -e '.\[peers\]'"):
+    with pytest.raises(AuditError, match=r"error: torchtune is not installed: pip install 'gradscale\[peers\]' "
+                                         r"\(in a clone: make peers\)"):
         resolve_target("torchtune")
 
 
 @pytest.mark.distributed
 def test_the_pytest_helper_raises_with_the_table_and_passes_a_fix():
-    from experiments.audit import assert_gradient_matches
+    from gradscale.audit import assert_gradient_matches
 
     with pytest.raises(AssertionError, match=r"(?s)N=1 K=4: gradient x4 the global.*1 of 2 configurations"):
         assert_gradient_matches("summed_accumulation", world_sizes=(1,), accumulations=(1, 4))

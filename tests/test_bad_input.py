@@ -64,9 +64,9 @@ def test_unwritable_output_folder_is_refused(cli, tmp_path, mode):
 
 def test_a_python_caller_of_run_job_gets_the_same_checks(tmp_path):
     """The checks live where a job starts, not only in the command line's callback and sweeper."""
-    from experiments.checks import ConfigError
-    from experiments.hydra_glue import to_object
-    from experiments.run import run_job
+    from gradscale.checks import ConfigError
+    from gradscale.hydra_glue import to_object
+    from gradscale.run import run_job
     from tests.conftest import TINY, compose
 
     with pytest.raises(ConfigError, match=r"^error: optimizer.lr=-1.0 is not allowed: must be a finite number > 0$"):
@@ -81,8 +81,8 @@ def test_each_data_file_is_read_once_while_it_stays_the_same(tmp_path, monkeypat
     changes."""
     import functools
 
-    from experiments import config, probes
-    from experiments.checks import ConfigError
+    from gradscale import config, probes
+    from gradscale.checks import ConfigError
     from tests.conftest import TINY, compose
 
     path = tmp_path / "train.jsonl"

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from experiments.sweep import job_dirs
+from gradscale.sweep import job_dirs
 from tests.conftest import CONF, TINY, compose, read_metrics, run_in_process, train_records
 
 METRIC_KEYS = {
@@ -27,7 +27,7 @@ def test_default_sweep_command_runs_eight_jobs_with_and_without_the_fix(cli, tmp
     proc = cli(["-m", "optimizer=sgd,adamw", "scale=1,8", *TINY, f"hydra.sweep.dir={sweep_dir}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     dirs = job_dirs(sweep_dir)
-    assert len(dirs) == 8  # the user's command sweeps the fix too (conf/sweep/fix_on_and_off.yaml)
+    assert len(dirs) == 8  # the user's command sweeps the fix too (gradscale/conf/sweep/fix_on_and_off.yaml)
     losses, first_grad_norm = {}, {}
     for d in dirs:
         summary = json.loads((d / "summary.json").read_text())
@@ -55,7 +55,7 @@ def test_default_sweep_command_runs_eight_jobs_with_and_without_the_fix(cli, tmp
     # the sweep ends with a table of its runs
     assert "overrides" in proc.stdout and proc.stdout.count("completed") >= 8
     assert "fix=False optimizer=adamw scale=8" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1].startswith("figures and report.md: python -m analysis.report ")
+    assert proc.stdout.strip().splitlines()[-1].startswith("figures and report.md: gradscale-report ")
     assert "\r" not in proc.stdout + proc.stderr and "%|" not in proc.stderr  # no progress bars in a log
 
 
@@ -220,7 +220,7 @@ def progress_tags(output: str) -> list[str | None]:
 
 def old_style_name(job_dir, exclude_keys) -> str:
     """The folder name before folders left out the sweep's shared overrides: N_ and all of them."""
-    from experiments.sweep import job_overrides
+    from gradscale.sweep import job_overrides
 
     lines = sorted(o for o in job_overrides(job_dir) if o.lstrip("+~").split("=")[0] not in exclude_keys)
     return f"{job_dir.name.split('_')[0]}_{','.join(lines)}"
@@ -280,7 +280,7 @@ def test_a_one_job_sweep_keeps_its_overrides_and_a_single_run_has_no_tag(cli, tm
     ([[]], [["S=0"]]),  # one job without overrides: `0`, not `0_`
 ])
 def test_folder_name_overrides(jobs, expected):
-    from experiments.sweep import folder_name_overrides
+    from gradscale.sweep import folder_name_overrides
 
     short = [[o.replace("hydra.job.config.override_dirname.exclude_keys", "X").replace("hydra.sweep.subdir", "S")
               for o in job] for job in folder_name_overrides(jobs, ["wandb.mode"], {})]
@@ -288,7 +288,7 @@ def test_folder_name_overrides(jobs, expected):
 
 
 def test_a_job_keeps_the_folder_it_has(tmp_path):
-    from experiments.sweep import folder_name_overrides
+    from gradscale.sweep import folder_name_overrides
 
     jobs = [["smoke=on", "scale=1"], ["smoke=on", "scale=2"]]
     naming = folder_name_overrides(jobs, [], {("smoke=on", "scale=2"): tmp_path / "1_scale=2,smoke=on"})
@@ -299,7 +299,7 @@ def test_a_job_keeps_the_folder_it_has(tmp_path):
                                   "5_ends\\"])
 def test_a_kept_folder_name_reads_back_exactly(name):
     """Whatever an old folder is called, the override that keeps it reads back as exactly that name."""
-    from experiments.sweep import hydra_quoted
+    from gradscale.sweep import hydra_quoted
 
     cfg = compose([f"hydra.sweep.subdir={hydra_quoted(name)}"], with_hydra=True)
     assert cfg.hydra.sweep.subdir == name
@@ -318,7 +318,7 @@ def test_a_kept_folder_name_reads_back_exactly(name):
     ],
 )
 def test_a_model_preset_brings_its_recipe_unless_the_user_or_a_preset_sets_it(overrides, expected):
-    from experiments.hydra_glue import to_object
+    from gradscale.hydra_glue import to_object
 
     cfg = to_object(compose(overrides))
     assert (cfg.optimizer.name, cfg.optimizer.lr, cfg.batch_size, cfg.seq_len) == expected
@@ -328,8 +328,8 @@ def test_a_model_preset_brings_its_recipe_unless_the_user_or_a_preset_sets_it(ov
                                                   ({"lr": {"sgd": -1.0}}, "model.recommended.lr.sgd"),
                                                   ({"warmup": 10}, "model.recommended")])
 def test_a_model_presets_recommended_recipe_is_checked(recommended, key):
-    from experiments.checks import ConfigError
-    from experiments.config import ModelConfig
+    from gradscale.checks import ConfigError
+    from gradscale.config import ModelConfig
 
     with pytest.raises(ConfigError, match=re.escape(key)):
         ModelConfig(name="preset", init="random", recommended=recommended).check()
@@ -363,11 +363,11 @@ def test_the_readme_quotes_the_default_sweeps_committed_report():
     (scripts/make_figures.sh): every final loss in its table, and AdamW's deviations in its text."""
     import pandas as pd
 
-    from analysis.load import short_number
+    from gradscale.analysis.load import short_number
     from tests.conftest import ROOT
 
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index(": 8 runs\noverrides"):readme.index("figures and report.md: python -m analysis.report")]
+    table = readme[readme.index(": 8 runs\noverrides"):readme.index("figures and report.md: gradscale-report")]
     summary = pd.read_csv(ROOT / "docs" / "figures" / "default_sweep" / "summary.csv")
     assert len(summary) == 8 and set(summary.c_eff) == {0.125, 1.0, 8.0}
     for row in summary.itertuples():

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from experiments import model, optim
-from experiments.checks import ConfigError
-from experiments.config import validate
-from experiments.hydra_glue import to_object
-from experiments.job import build_batches, build_job
-from experiments.train import LoopConfig, train
+from gradscale import model, optim
+from gradscale.checks import ConfigError
+from gradscale.config import validate
+from gradscale.hydra_glue import to_object
+from gradscale.job import build_batches, build_job
+from gradscale.train import LoopConfig, train
 from tests.conftest import compose
 
 STEPS = 4

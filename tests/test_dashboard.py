@@ -16,7 +16,7 @@ from tests.conftest import OFFLINE_ENV, ROOT, TINY
 
 pytest.importorskip("wandb_workspaces")
 
-# experiments.run as the CLI runs it, with wandb.init wrapped: each call's keyword arguments land in the run
+# gradscale.run as the CLI runs it, with wandb.init wrapped: each call's keyword arguments land in the run
 # folder as wandb_init.json, then a disabled W&B run stands in (no wandb-core, no files, no network)
 RECORD_WANDB_INIT = """
 import json, runpy, sys
@@ -27,14 +27,14 @@ def init(**kwargs):
     Path(kwargs["dir"], "wandb_init.json").write_text(json.dumps({k: v for k, v in kwargs.items() if k != "settings"}))
     return real_init(**{**kwargs, "mode": "disabled"})
 wandb.init = init
-sys.argv = ["experiments.run", *sys.argv[1:]]
-runpy.run_module("experiments.run", run_name="__main__", alter_sys=True)
+sys.argv = ["gradscale.run", *sys.argv[1:]]
+runpy.run_module("gradscale.run", run_name="__main__", alter_sys=True)
 """
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory, cache_dir) -> Path:
-    """A four-job sweep (sgd, adamw x scale 1, 8; the fix pinned on) whose runs asked for W&B, and analysis.report's
+    """A four-job sweep (sgd, adamw x scale 1, 8; the fix pinned on) whose runs asked for W&B, and gradscale-report's
     output."""
     sweep = tmp_path_factory.mktemp("dashboard") / "dash_sweep"
     args = ["-m", "optimizer=sgd,adamw", "scale=1,8", "fix=true", *TINY, "wandb.mode=offline",
@@ -43,7 +43,7 @@ def sweep(tmp_path_factory, cache_dir) -> Path:
     proc = subprocess.run([sys.executable, "-c", RECORD_WANDB_INIT, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from analysis.report import main as report
+    from gradscale.analysis.report import main as report
 
     assert report([str(sweep)]) == 0
     return sweep
@@ -87,7 +87,7 @@ def config_value(config: dict, backend_key: str):
 
 
 def dry_run(sweep: Path, *extra: str) -> int:
-    from analysis.dashboard import main
+    from gradscale.analysis.dashboard import main
 
     return main([str(sweep), "--entity", "placeholder-entity", "--dry-run", *extra])
 
@@ -176,7 +176,7 @@ def files_under(folder: Path) -> dict[Path, bytes]:
     ("out_in_missing_folder", "is not a folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2_writing_nothing(sweep, tmp_path, monkeypatch, capsys, case, says):
-    from analysis.dashboard import main
+    from gradscale.analysis.dashboard import main
 
     path = {"missing": tmp_path / "nope", "empty": tmp_path}.get(case, sweep)
     extra = ["--out", str(tmp_path / "no" / "ws.json")] if case == "out_in_missing_folder" else []
@@ -196,7 +196,8 @@ def test_online_save_without_an_api_key_says_so_and_suggests_dry_run(sweep, tmp_
     env = {**os.environ, "HOME": str(tmp_path), "WANDB_BASE_URL": "http://127.0.0.1:9"}  # nothing listens there
     env.pop("WANDB_API_KEY", None)
     before = files_under(sweep)
-    proc = subprocess.run([sys.executable, "-m", "analysis.dashboard", str(sweep), "--entity", "e", "--report"],
+    proc = subprocess.run([sys.executable, "-m", "gradscale.analysis.dashboard", str(sweep), "--entity", "e",
+                           "--report"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2 and proc.stdout == ""
     err = proc.stderr.strip().splitlines()
@@ -206,7 +207,7 @@ def test_online_save_without_an_api_key_says_so_and_suggests_dry_run(sweep, tmp_
 
 
 def test_every_option_has_help(capsys):
-    from analysis.dashboard import build_parser, main
+    from gradscale.analysis.dashboard import build_parser, main
 
     assert all(action.help for action in build_parser()._actions)
     with pytest.raises(SystemExit) as e:
@@ -216,8 +217,8 @@ def test_every_option_has_help(capsys):
 
 def test_wandb_mode_disabled_in_the_environment_wins_over_wandb_mode_offline(tmp_path, monkeypatch):
     """Before, wandb.init(mode="offline") won over the variable: wandb-core started and wrote run_dir/wandb."""
-    from experiments.config import WandbConfig
-    from experiments.metrics import RunLog
+    from gradscale.config import WandbConfig
+    from gradscale.metrics import RunLog
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     run_log = RunLog(tmp_path, WandbConfig(mode="offline"), name="t", group="g", tags=[], config={})
@@ -228,7 +229,7 @@ def test_wandb_mode_disabled_in_the_environment_wins_over_wandb_mode_offline(tmp
 
 
 def test_report_wandb_logging_is_skipped_when_the_environment_disables_wandb(tmp_path, monkeypatch, capsys):
-    from analysis.report import log_to_wandb
+    from gradscale.analysis.report import log_to_wandb
 
     monkeypatch.setenv("WANDB_MODE", "disabled")
     log_to_wandb([tmp_path], tmp_path, [], "offline", "gradscale")
@@ -236,7 +237,7 @@ def test_report_wandb_logging_is_skipped_when_the_environment_disables_wandb(tmp
 
 
 def test_a_dry_run_needs_no_entity_and_saving_does_in_one_line(sweep, tmp_path, capsys):
-    from analysis.dashboard import main
+    from gradscale.analysis.dashboard import main
 
     out = tmp_path / "ws.json"
     assert main([str(sweep), "--dry-run", "--out", str(out)]) == 0
@@ -247,7 +248,7 @@ def test_a_dry_run_needs_no_entity_and_saving_does_in_one_line(sweep, tmp_path, 
 
 
 def test_a_sweeps_wandb_group_says_what_it_runs_and_where():
-    from experiments.sweep import wandb_group
+    from gradscale.sweep import wandb_group
 
     where = Path("multirun/2026-12-06/08-10-00")
     assert wandb_group(["optimizer=sgd,adamw", "scale=1,8"], {"fix": "true,false"}, None, where, []) == \

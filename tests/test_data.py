@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from experiments import data
-from experiments.data import IGNORE_INDEX
+from gradscale import data
+from gradscale.data import IGNORE_INDEX
 from tests.conftest import compose
 
 
 def cfg_for(overrides):
-    from experiments.hydra_glue import to_object
+    from gradscale.hydra_glue import to_object
 
     return to_object(compose(overrides))
 
@@ -34,7 +34,7 @@ def test_pydoc_dataset_covers_the_cpython_reference():
 
 
 def test_docstrings_dataset_is_the_standard_librarys_docstrings():
-    from experiments.hydra_glue import to_object
+    from gradscale.hydra_glue import to_object
 
     examples = data.load_examples(to_object(compose(["data=docstrings"])).data)
     assert len(examples) > 4000  # 5824 on CPython 3.11

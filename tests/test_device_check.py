@@ -85,8 +85,8 @@ def test_the_checks_path_leaves_wandb_gguf_and_datasets_unimported(tmp_path, cac
     """They are not carried to the device: a run with W&B disabled, its report and the benchmark's imports
     must not import them (python -X importtime lists every module a process imports)."""
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
-    commands = [["-m", "experiments.run", *TINY, "wandb.mode=offline", f"hydra.run.dir={tmp_path / 'run'}"],
-                ["-m", "analysis.report", str(tmp_path / "run"), "--out", str(tmp_path / "report")],
+    commands = [["-m", "gradscale.run", *TINY, "wandb.mode=offline", f"hydra.run.dir={tmp_path / 'run'}"],
+                ["-m", "gradscale.analysis.report", str(tmp_path / "run"), "--out", str(tmp_path / "report")],
                 ["-c", "import runpy; runpy.run_path('scripts/bench.py', run_name='bench')"]]
     for command in commands:
         proc = subprocess.run([sys.executable, "-X", "importtime", *command], cwd=ROOT, env=env,

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from experiments.checks import ConfigError
-from experiments.probes import check_environment, compiler_problem
+from gradscale.checks import ConfigError
+from gradscale.probes import check_environment, compiler_problem
 from tests.conftest import ROOT, TINY, compose
 
 
@@ -31,7 +31,7 @@ def test_device_cuda_without_cuda_is_refused_before_any_work(cli, tmp_path, swee
 
 def test_a_cpu_torch_is_told_without_importing_torch():
     """The import alone takes seconds; the CPU-only build says so in torch/version.py."""
-    code = ("import sys; from experiments.probes import cuda_problem, installed_torch_cuda; "
+    code = ("import sys; from gradscale.probes import cuda_problem, installed_torch_cuda; "
             "print(installed_torch_cuda(), cuda_problem() is None, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     built_for_cuda, usable, imported = out.stdout.split()

@@ -63,8 +63,8 @@ def test_batches_are_identical_across_optimizers_scales_and_world_sizes(tmp_path
 
 
 def test_batch_order_is_a_pure_function_of_seed_and_step(cache_dir):
-    from experiments.hydra_glue import to_object
-    from experiments.job import build_batches
+    from gradscale.hydra_glue import to_object
+    from gradscale.job import build_batches
 
     def batches(seed: int, world_size: int):
         return build_batches(to_object(compose([f"seed={seed}", f"world_size={world_size}"])))

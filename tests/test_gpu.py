@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.sweep import job_dirs
+from gradscale.sweep import job_dirs
 from tests.conftest import TINY, read_metrics, train_records
 from tests.test_parallel import torchrun
 
@@ -28,7 +28,7 @@ def test_default_sweep_on_cuda(cli, tmp_path, precision):
 def test_nccl_torchrun_matches_the_emulated_run(cli, tmp_path, cache_dir, strategy):
     """One process under torchrun: a real NCCL group, with every collective and the checkpoint gather."""
     args = ["optimizer=adamw", *TINY, "steps=5", "world_size=1", "checkpoint_every=2", "device=cuda"]
-    real = torchrun(["-m", "experiments.run", f"dist.strategy={strategy}", *args,
+    real = torchrun(["-m", "gradscale.run", f"dist.strategy={strategy}", *args,
                      f"hydra.run.dir={tmp_path / 'real'}"], cache_dir, nproc=1)
     assert real.returncode == 0, real.stderr[-4000:]
     summary = json.loads((tmp_path / "real" / "summary.json").read_text())

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.grads import GradPipeline, count_trained_tokens, token_loss_sum, total_norm
-from experiments.recipes import normalization_in_effect
+from gradscale.grads import GradPipeline, count_trained_tokens, token_loss_sum, total_norm
+from gradscale.recipes import normalization_in_effect
 from tests.conftest import compose
 
 
 @pytest.fixture(scope="module", params=["full", "lora"])
 def model_and_batch(cache_dir, request):
-    from experiments import model
-    from experiments.hydra_glue import to_object
-    from experiments.job import build_batches
+    from gradscale import model
+    from gradscale.hydra_glue import to_object
+    from gradscale.job import build_batches
 
     cfg = to_object(compose(["batch_size=16", "seq_len=64", f"finetune={request.param}"]))
     batches = build_batches(cfg)
@@ -123,9 +123,9 @@ def test_unlogged_steps_skip_the_norm_unless_clipping_needs_it(model_and_batch):
 def test_fix_is_resolved_into_the_normalization_once():
     """fix=false is the short switch for the pre-fix recipe: resolved when the config becomes dataclasses,
     so the pipeline, summary.json and the analysis see one recipe and one c_eff."""
-    from experiments.hydra_glue import to_object
-    from experiments.job import build_pipeline
-    from experiments.recipes import c_eff
+    from gradscale.hydra_glue import to_object
+    from gradscale.job import build_pipeline
+    from gradscale.recipes import c_eff
 
     for overrides, recipe in ([[], "global_tokens"], [["fix=false"], "global_tokens_no_world_fix"],
                               [["normalization=global_tokens_no_world_fix"], "global_tokens_no_world_fix"],
@@ -142,8 +142,8 @@ def test_fix_is_resolved_into_the_normalization_once():
 def test_token_losses_have_the_bits_of_cross_entropy_and_its_gradient(monkeypatch, dtype, block):
     """The loss a block of rows at a time: the same losses and logits gradient, bit for bit, as
     F.cross_entropy over the whole [tokens, vocabulary] matrix (and 0 for untrained targets)."""
-    from experiments import grads
-    from experiments.data import IGNORE_INDEX
+    from gradscale import grads
+    from gradscale.data import IGNORE_INDEX
 
     monkeypatch.setattr(grads, "CROSS_ENTROPY_BLOCK", block)
     generator = torch.Generator().manual_seed(0)

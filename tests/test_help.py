@@ -1,4 +1,4 @@
-"""What a user reads: `python -m experiments.run --help` as a command's help, Hydra's kept at --hydra-help,
+"""What a user reads: `gradscale-run --help` as a command's help, Hydra's kept at --hydra-help,
 and a help text on every option of every argparse command."""
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ def test_help_reads_as_the_commands_help(cli):
     proc = cli(["--help"])
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    assert "python -m experiments.run -m optimizer=sgd,adamw scale=1,8" in text  # the user's command
+    assert "python -m experiments.run -m optimizer=sgd,adamw scale=1,8" in text  # the user's command, from a clone
+    assert "gradscale-run -m optimizer=sgd,adamw scale=1,8" in text  # installed
     for example in ("-m experiment=scale_sweep", "smoke=on", "-m hydra/launcher=local_parallel",
-                    "python -m experiments.run optimizer=sgd scale=8 steps=50"):
+                    "gradscale-run optimizer=sgd scale=8 steps=50"):
         assert example in text
     for group in GROUPS:
         assert re.search(rf"^  {re.escape(group)} +\S", text, flags=re.MULTILINE), group
@@ -100,15 +101,15 @@ def _script_main(name: str):
 
 
 COMMANDS = {
-    "analysis.report": lambda: importlib.import_module("analysis.report").main,
-    "analysis.dashboard": lambda: importlib.import_module("analysis.dashboard").main,
-    "experiments.audit": lambda: importlib.import_module("experiments.audit.__main__").main,
-    "analysis.notebook": lambda: importlib.import_module("analysis.notebook").main,
-    "analysis.advise": lambda: importlib.import_module("analysis.advise").main,
-    "analysis.scaling": lambda: importlib.import_module("analysis.scaling").main,
-    "experiments.advise": lambda: importlib.import_module("experiments.advise").main,
-    "experiments.pretrain": lambda: importlib.import_module("experiments.pretrain").main,
-    "experiments.parity": lambda: importlib.import_module("experiments.parity").main,
+    "gradscale.analysis.report": lambda: importlib.import_module("gradscale.analysis.report").main,
+    "gradscale.analysis.dashboard": lambda: importlib.import_module("gradscale.analysis.dashboard").main,
+    "gradscale.audit": lambda: importlib.import_module("gradscale.audit.__main__").main,
+    "gradscale.analysis.notebook": lambda: importlib.import_module("gradscale.analysis.notebook").main,
+    "gradscale.analysis.advise": lambda: importlib.import_module("gradscale.analysis.advise").main,
+    "gradscale.analysis.scaling": lambda: importlib.import_module("gradscale.analysis.scaling").main,
+    "gradscale.advise": lambda: importlib.import_module("gradscale.advise").main,
+    "gradscale.pretrain": lambda: importlib.import_module("gradscale.pretrain").main,
+    "gradscale.parity": lambda: importlib.import_module("gradscale.parity").main,
     "scripts/bench.py": lambda: _script_main("bench"),
     "scripts/device_carry.py": lambda: _script_main("device_carry"),
     "scripts/profile_step.py": lambda: _script_main("profile_step"),
@@ -119,7 +120,7 @@ COMMANDS = {
 def test_every_option_of_every_command_has_help(command):
     parser = parser_of(COMMANDS[command]())
     assert parser.description and parser.description.strip(), command
-    assert parser.prog.startswith("python "), parser.prog  # as the user types it, not "bench.py"
+    assert parser.prog.startswith(("python ", "gradscale-")), parser.prog  # as the user types it, not "bench.py"
     for action in parser._actions:
         name = "/".join(action.option_strings) or action.dest
         assert action.help and action.help.strip(), f"{command}: {name} has no help"
@@ -128,7 +129,7 @@ def test_every_option_of_every_command_has_help(command):
 def test_the_argparse_commands_are_all_covered():
     """A new command gets its options' help and its bad flags checked too: add it to COMMANDS (and BAD_FLAGS)."""
     found = set()
-    for path in (p for folder in ("analysis", "experiments", "scripts") for p in (ROOT / folder).rglob("*.py")):
+    for path in (p for folder in ("gradscale", "scripts") for p in (ROOT / folder).rglob("*.py")):
         if "CommandParser(" in path.read_text() and path.name != "checks.py":
             module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__main__")
             found.add(f"scripts/{path.name}" if path.parent.name == "scripts" else module)
@@ -139,8 +140,8 @@ def test_the_argparse_commands_are_all_covered():
 def test_pretrain_help_lists_the_recipe_with_its_defaults(capsys):
     from dataclasses import fields
 
-    from experiments.config import PretrainConfig
-    from experiments.pretrain import main
+    from gradscale.config import PretrainConfig
+    from gradscale.pretrain import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
@@ -150,40 +151,40 @@ def test_pretrain_help_lists_the_recipe_with_its_defaults(capsys):
         assert f"model.pretrain.{f.name}={f.default:g} " in text
 
 
-# every command (experiments.run's config values: test_cli.py), each bad flag: (command, argv, what the line says);
+# every command (gradscale.run's config values: test_cli.py), each bad flag: (command, argv, what the line says);
 # MISSING is a path that does not exist, OUT a folder that must not appear, BLOCKED a path under a plain file
 BAD_FLAGS = [
-    ("analysis.report", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
-    ("analysis.report", ["MISSING"], "MISSING does not exist"),
-    ("analysis.report", ["SWEEP", "--out", "BLOCKED"], "--out='BLOCKED' cannot be written"),
-    ("analysis.report", ["SWEEP", "--wandb-mode", "sometimes"], "--wandb-mode: invalid choice: 'sometimes'"),
-    ("analysis.dashboard", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
-    ("analysis.dashboard", ["MISSING", "--dry-run"], "MISSING does not exist"),
-    ("analysis.scaling", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
-    ("analysis.scaling", ["MISSING"], "sweep folder 'MISSING' does not exist"),
-    ("analysis.scaling", ["SWEEP", "--eps=-1"], "--eps=-1.0 must be > 0"),
-    ("analysis.scaling", ["SWEEP", "--out", "BLOCKED"], "--out='BLOCKED' cannot be written"),
-    ("analysis.scaling", ["SWEEP", "--point", "MISSING"], "--point='MISSING' is not a run folder"),
-    ("analysis.notebook", ["NOTEBOOK", "SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
-    ("analysis.notebook", ["MISSING", "SWEEP"], "MISSING is not a notebook"),
-    ("analysis.advise", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
-    ("analysis.advise", ["MISSING"], "run folder 'MISSING' does not exist"),
-    ("experiments.advise", ["--bogus"], "unrecognized arguments: --bogus"),
-    ("experiments.advise", ["--world-sizes", "8,abc"], "--world-sizes='8,abc' is not a comma-separated list"),
-    ("experiments.advise", ["--eps=0"], "--eps=0.0 must be > 0"),
-    ("experiments.advise", ["--json", "BLOCKED"], "--json='BLOCKED'"),
-    ("experiments.advise", ["scale=8"], "scale=8 is not allowed"),
-    ("experiments.advise", ["optimizer=sgd"], "optimizer=sgd is not allowed"),
-    ("experiments.advise", ["--gradient-only", "optimizer=bogus"], "optimizer=bogus is not allowed"),
-    ("experiments.advise", ["--gradient-only", "steps=0"], "steps=0 is not allowed"),
-    ("experiments.advise", ["--gradient-only", "model=gpt2"], "model=gpt2 is not allowed: one of"),
-    ("experiments.audit", ["global_token_mean", "--bogus"], "unrecognized arguments: --bogus"),
-    ("experiments.audit", ["nope"], "target 'nope' is neither a built-in target"),
-    ("experiments.audit", ["global_token_mean", "--world-sizes", "3"], "--world-sizes 3: each must be one of"),
-    ("experiments.parity", ["--bogus"], "unrecognized arguments: --bogus"),
-    ("experiments.parity", ["--world-size", "1"], "--world-size: invalid choice: 1"),
-    ("experiments.pretrain", ["--bogus"], "--bogus"),
-    ("experiments.pretrain", ["model.pretrain.steps=-1"], "model.pretrain.steps=-1 is not allowed"),
+    ("gradscale.analysis.report", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.analysis.report", ["MISSING"], "MISSING does not exist"),
+    ("gradscale.analysis.report", ["SWEEP", "--out", "BLOCKED"], "--out='BLOCKED' cannot be written"),
+    ("gradscale.analysis.report", ["SWEEP", "--wandb-mode", "sometimes"], "--wandb-mode: invalid choice: 'sometimes'"),
+    ("gradscale.analysis.dashboard", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.analysis.dashboard", ["MISSING", "--dry-run"], "MISSING does not exist"),
+    ("gradscale.analysis.scaling", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.analysis.scaling", ["MISSING"], "sweep folder 'MISSING' does not exist"),
+    ("gradscale.analysis.scaling", ["SWEEP", "--eps=-1"], "--eps=-1.0 must be > 0"),
+    ("gradscale.analysis.scaling", ["SWEEP", "--out", "BLOCKED"], "--out='BLOCKED' cannot be written"),
+    ("gradscale.analysis.scaling", ["SWEEP", "--point", "MISSING"], "--point='MISSING' is not a run folder"),
+    ("gradscale.analysis.notebook", ["NOTEBOOK", "SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.analysis.notebook", ["MISSING", "SWEEP"], "MISSING is not a notebook"),
+    ("gradscale.analysis.advise", ["SWEEP", "--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.analysis.advise", ["MISSING"], "run folder 'MISSING' does not exist"),
+    ("gradscale.advise", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.advise", ["--world-sizes", "8,abc"], "--world-sizes='8,abc' is not a comma-separated list"),
+    ("gradscale.advise", ["--eps=0"], "--eps=0.0 must be > 0"),
+    ("gradscale.advise", ["--json", "BLOCKED"], "--json='BLOCKED'"),
+    ("gradscale.advise", ["scale=8"], "scale=8 is not allowed"),
+    ("gradscale.advise", ["optimizer=sgd"], "optimizer=sgd is not allowed"),
+    ("gradscale.advise", ["--gradient-only", "optimizer=bogus"], "optimizer=bogus is not allowed"),
+    ("gradscale.advise", ["--gradient-only", "steps=0"], "steps=0 is not allowed"),
+    ("gradscale.advise", ["--gradient-only", "model=gpt2"], "model=gpt2 is not allowed: one of"),
+    ("gradscale.audit", ["global_token_mean", "--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.audit", ["nope"], "target 'nope' is neither a built-in target"),
+    ("gradscale.audit", ["global_token_mean", "--world-sizes", "3"], "--world-sizes 3: each must be one of"),
+    ("gradscale.parity", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("gradscale.parity", ["--world-size", "1"], "--world-size: invalid choice: 1"),
+    ("gradscale.pretrain", ["--bogus"], "--bogus"),
+    ("gradscale.pretrain", ["model.pretrain.steps=-1"], "model.pretrain.steps=-1 is not allowed"),
     ("scripts/bench.py", ["--bogus"], "unrecognized arguments: --bogus"),
     ("scripts/bench.py", ["--steps", "0"], "--steps=0 must be >= 1"),
     ("scripts/profile_step.py", ["--bogus"], "unrecognized arguments: --bogus"),
@@ -198,9 +199,9 @@ def test_every_command_refuses_each_bad_flag_in_one_line_before_any_work(tmp_pat
     sweep.mkdir()
     (tmp_path / "a_file").write_text("")
     paths = {"MISSING": str(tmp_path / "missing"), "SWEEP": str(sweep), "BLOCKED": str(tmp_path / "a_file" / "x"),
-             "NOTEBOOK": str(ROOT / "analysis" / "notebooks" / "01_world_size_fix.py")}
-    argv = [paths.get(a, a) for a in argv] + (["--out", str(out)] if command == "analysis.dashboard" else [])
-    if command.startswith("experiments.") and command not in ("experiments.audit", "experiments.parity"):
+             "NOTEBOOK": str(ROOT / "gradscale" / "analysis" / "notebooks" / "01_world_size_fix.py")}
+    argv = [paths.get(a, a) for a in argv] + (["--out", str(out)] if command == "gradscale.analysis.dashboard" else [])
+    if command.startswith("experiments.") and command not in ("gradscale.audit", "gradscale.parity"):
         argv.append(f"hydra.run.dir={out}")
     says = paths["MISSING"].join(paths["BLOCKED"].join(says.split("BLOCKED")).split("MISSING"))
     monkeypatch.chdir(tmp_path)  # anything a command would write by default lands here, where it is looked for

@@ -1,4 +1,4 @@
-"""How the code is laid out, checked: experiments/ reads bottom-up (no import cycle, function-level imports
+"""How the code is laid out, checked: gradscale/ reads bottom-up (no import cycle, function-level imports
 included), the loop never builds and finding weights never trains, and the metric keys are named in one place."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-PACKAGE = ROOT / "experiments"
+PACKAGE = ROOT / "gradscale"
 
 
 def module_name(path: Path) -> str:
@@ -18,8 +18,8 @@ def module_name(path: Path) -> str:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the experiments modules it imports anywhere in its file (top level, in functions, under
-    TYPE_CHECKING): `from experiments import data` counts as experiments.data."""
+    """Module -> the gradscale modules it imports anywhere in its file (top level, in functions, under
+    TYPE_CHECKING): `from gradscale import data` counts as gradscale.data."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in files.items():
@@ -27,7 +27,7 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name in files}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gradscale"):
                 base = node.module
                 found = {f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files}
                 deps |= found or ({base} if base in files else set())
@@ -72,29 +72,29 @@ def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_experiments_has_no_import_cycle():
+def test_gradscale_has_no_import_cycle():
     graph = import_graph()
-    assert "experiments.optimizers.muon" in graph and "experiments.train" in graph["experiments.job"]
+    assert "gradscale.optimizers.muon" in graph and "gradscale.train" in graph["gradscale.job"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
 def test_the_loop_never_builds_and_finding_weights_never_trains():
     graph = import_graph()
-    assert not reachable(graph, "experiments.train") & {"experiments.job", "experiments.run", "experiments.pretrain"}
-    assert not reachable(graph, "experiments.weights") & {"experiments.train", "experiments.job",
-                                                          "experiments.pretrain"}
-    leaves = ("experiments.checks", "experiments.cache", "experiments.records")
+    assert not reachable(graph, "gradscale.train") & {"gradscale.job", "gradscale.run", "gradscale.pretrain"}
+    assert not reachable(graph, "gradscale.weights") & {"gradscale.train", "gradscale.job",
+                                                          "gradscale.pretrain"}
+    leaves = ("gradscale.checks", "gradscale.cache", "gradscale.records")
     assert all(not graph[leaf] for leaf in leaves)
 
 
 METRIC_KEY = re.compile(r"^(train|eval|adam|perf)/\w*$")  # a key, not prose that starts with one
 
 
-def test_metric_keys_are_named_only_in_experiments_records():
+def test_metric_keys_are_named_only_in_records():
     """A bare "train/loss" in the loop, a plot or the dashboard is how a typo drops a panel unnoticed: every
-    string (or f-string) that starts like a metric key lives in experiments/records.py."""
+    string (or f-string) that starts like a metric key lives in gradscale/records.py."""
     found = []
-    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "analysis").glob("*.py")]:
+    for path in PACKAGE.rglob("*.py"):
         if path.name == "records.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

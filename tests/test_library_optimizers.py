@@ -1,4 +1,4 @@
-"""The hand-written Lion and Adam-atan2 (experiments/optim.py) against their PyPI packages, lion-pytorch and
+"""The hand-written Lion and Adam-atan2 (gradscale/optim.py) against their PyPI packages, lion-pytorch and
 adam-atan2-pytorch: the same lr, betas, weight decay (and a, b) give the same parameters and moments over 20 steps
 of random gradients, on tensors of several shapes in two parameter groups (docs/optimizers.md).
 
@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from experiments.optim import AdamAtan2, Lion
+from gradscale.optim import AdamAtan2, Lion
 
 lion_pytorch = pytest.importorskip("lion_pytorch")
 adam_atan2_pytorch = pytest.importorskip("adam_atan2_pytorch")
@@ -59,7 +59,7 @@ def moved(params, seed: int = 0) -> float:
 
 
 LION_SETTINGS = [
-    [dict(lr=3e-4, betas=(0.9, 0.99), weight_decay=0.0)],  # conf/optimizer/lion.yaml
+    [dict(lr=3e-4, betas=(0.9, 0.99), weight_decay=0.0)],  # gradscale/conf/optimizer/lion.yaml
     [dict(lr=1e-2, betas=(0.95, 0.98), weight_decay=0.5), dict(lr=3e-3, weight_decay=0.0)],
 ]
 ATAN2_SETTINGS = [

@@ -11,8 +11,8 @@ from tests.conftest import compose, run_in_process, train_records
 
 
 def build(overrides, device="cpu"):
-    from experiments.hydra_glue import to_object
-    from experiments.model import build_model
+    from gradscale.hydra_glue import to_object
+    from gradscale.model import build_model
 
     cfg = to_object(compose(overrides))
     return build_model(cfg.model, cfg.seed, torch.device(device)), cfg
@@ -36,8 +36,8 @@ def test_tiny_default_has_the_llama_3_2_architecture():
 def test_real_configs_carry_the_published_dimensions(name, billions):
     from transformers import LlamaForCausalLM
 
-    from experiments.hydra_glue import to_object
-    from experiments.model import llama_config
+    from gradscale.hydra_glue import to_object
+    from gradscale.model import llama_config
 
     cfg = to_object(compose([f"model={name}"]))
     with torch.device("meta"):  # the real size, without allocating it
@@ -57,7 +57,7 @@ def test_same_seed_same_init_different_seed_different_init():
 @pytest.fixture
 def checkpoint(tmp_path, cache_dir):
     """A tiny model and its tokenizer saved with save_pretrained, as a user's local checkpoint."""
-    from experiments import data
+    from gradscale import data
 
     net, cfg = build(["seed=7"])
     tokenizer = data.build_tokenizer(data.load_examples(cfg.data), cfg.data.tokenizer_vocab_size, None)
@@ -68,8 +68,8 @@ def checkpoint(tmp_path, cache_dir):
 
 
 def test_model_path_loads_weights_and_tokenizer(checkpoint):
-    from experiments.model import build_model, load_tokenizer
-    from experiments.weights import checkpoint_dir
+    from gradscale.model import build_model, load_tokenizer
+    from gradscale.weights import checkpoint_dir
 
     path, saved, saved_tokenizer = checkpoint
     _, cfg = build([f"model.path={path}"])
@@ -86,8 +86,8 @@ def test_lora_on_a_checkpoint_starts_the_same_whatever_ran_before(checkpoint):
     """A sweep runs its jobs in one process: a fix-off run must start from the adapters of its fix-on
     reference, not from wherever the RNG was left by the job before (the step-0 grad-norm ratio
     read 0.113 for 0.125 when it did)."""
-    from experiments.model import apply_finetune, build_model
-    from experiments.weights import checkpoint_dir
+    from gradscale.model import apply_finetune, build_model
+    from gradscale.weights import checkpoint_dir
 
     path, _, _ = checkpoint
     _, cfg = build([f"model.path={path}", "finetune=lora"])
@@ -113,8 +113,8 @@ def test_training_from_model_path(checkpoint, tmp_path):
                                                 ("tokenizer.json", "no tokenizer"),
                                                 ("config.json", "no config.json")])
 def test_incomplete_checkpoint_is_refused_before_any_work(checkpoint, remove, message):
-    from experiments.checks import ConfigError
-    from experiments.config import validate
+    from gradscale.checks import ConfigError
+    from gradscale.config import validate
 
     path, _, _ = checkpoint
     (path / remove).unlink()
@@ -123,8 +123,8 @@ def test_incomplete_checkpoint_is_refused_before_any_work(checkpoint, remove, me
 
 
 def test_seq_len_limit_comes_from_the_checkpoint(checkpoint):
-    from experiments.checks import ConfigError
-    from experiments.config import validate
+    from gradscale.checks import ConfigError
+    from gradscale.config import validate
 
     path, saved, _ = checkpoint
     config = json.loads((path / "config.json").read_text())
@@ -136,10 +136,10 @@ def test_seq_len_limit_comes_from_the_checkpoint(checkpoint):
 
 def test_bf16_on_the_cpu_runs_attention_in_fp32_and_fp32_runs_keep_sdpa():
     """The attention kernel under bf16 autocast on the CPU is fp32 SDPA (faster there); fp32 runs are as before."""
-    from experiments.hydra_glue import to_object
-    from experiments.job import build_model
-    from experiments.model import FP32_ATTENTION
-    from experiments.parallel import Ranks
+    from gradscale.hydra_glue import to_object
+    from gradscale.job import build_model
+    from gradscale.model import FP32_ATTENTION
+    from gradscale.parallel import Ranks
 
     nets = {}
     for precision in ("fp32", "bf16"):

@@ -1,4 +1,4 @@
-"""The registries (experiments/optimizers/, experiments/recipes.py) are the one place each optimizer and recipe
+"""The registries (gradscale/optimizers/, gradscale/recipes.py) are the one place each optimizer and recipe
 is defined, and every consumer reads them; and the two optimizers added through them, the Muon hybrid and
 Adafactor, with their physics (docs/design.md): exactly invariant to c = 2^k until an eps binds."""
 
@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 
-from experiments.checks import ConfigError
-from experiments.optimizers import OPTIMIZERS, advisable, build_optimizer
-from experiments.recipes import RECIPES, c_eff, normalization_in_effect
+from gradscale.checks import ConfigError
+from gradscale.optimizers import OPTIMIZERS, advisable, build_optimizer
+from gradscale.recipes import RECIPES, c_eff, normalization_in_effect
 from tests.conftest import CONF, compose
 from tests.test_contrasts import LOOP, config, identical, trajectory
 
@@ -26,10 +26,10 @@ def test_each_entry_composes_validates_and_trains(name, cache_dir, tmp_path):
     """Its yaml fills its dataclass; the scale rule names keys the config has; one step through the suite's
     own job builder; and the entry's adam_state says truly whether its state holds Adam's moments with an
     eps (what the adam/* metrics, the histograms and the advisor read)."""
-    from experiments.config import validate
-    from experiments.job import build_job
-    from experiments.optim import adam_moments
-    from experiments.train import LoopConfig, train
+    from gradscale.config import validate
+    from gradscale.job import build_job
+    from gradscale.optim import adam_moments
+    from gradscale.train import LoopConfig, train
 
     entry = OPTIMIZERS[name]
     fields = {f.name for f in dataclasses.fields(entry.config)}
@@ -47,15 +47,15 @@ def test_each_entry_composes_validates_and_trains(name, cache_dir, tmp_path):
     expected = {"all": len(trained), "part": "some", None: 0}[entry.adam_state]
     assert (0 < len(covered) < len(trained) if expected == "some" else len(covered) == expected), name
     # its state resumes through a checkpoint loaded with weights_only (no pickled objects in it)
-    from experiments import checkpoint
+    from gradscale import checkpoint
 
     checkpoint.save(tmp_path, job.model, job.optimizer, checkpoint.LoopState(next_step=1), job.ranks)
     assert checkpoint.load(tmp_path, job.model, job.optimizer, job.ranks).next_step == 1
 
 
 def test_an_unknown_name_is_an_error_everywhere():
-    from experiments.config import validate
-    from experiments.grads import GradPipeline
+    from gradscale.config import validate
+    from gradscale.grads import GradPipeline
 
     bad_optimizer = compose(["optimizer.name=adamm"])
     with pytest.raises(ConfigError, match=r"optimizer.name='adamm' is not allowed: one of adafactor, .*sgd"):
@@ -81,7 +81,7 @@ def test_the_advisor_takes_the_optimizers_whose_update_eps_cuts():
 
 
 def tiny_named_params():
-    from experiments import model
+    from gradscale import model
 
     cfg = config(["optimizer=muon"])
     net = model.build_model(cfg.model, 0, torch.device("cpu"))
@@ -132,7 +132,7 @@ def test_the_muon_hybrid_resumes_from_its_state_dict_exactly():
 
 
 def test_muon_on_fsdp2_shards_is_refused_in_one_line():
-    from experiments.config import validate
+    from gradscale.config import validate
 
     with pytest.raises(ConfigError, match=r"^error: dist.strategy='fsdp2' is not allowed: optimizer=muon"):
         validate(compose(["optimizer=muon", "dist.strategy=fsdp2"]), [])
@@ -140,7 +140,7 @@ def test_muon_on_fsdp2_shards_is_refused_in_one_line():
 
 @pytest.fixture(scope="module")
 def batches(cache_dir):
-    from experiments.job import build_batches
+    from gradscale.job import build_batches
 
     return build_batches(config([]))
 

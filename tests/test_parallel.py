@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis.load import read_jsonl
-from experiments.sweep import job_dirs
+from gradscale.analysis.load import read_jsonl
+from gradscale.sweep import job_dirs
 from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics, train_records
 
 
@@ -37,7 +37,7 @@ def runs_by_config(sweep_dir: Path) -> dict[tuple, list[dict]]:
 @pytest.mark.distributed
 def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
     steps = ["steps=5", "world_size=2", "checkpoint_every=2"]  # checkpoints gather states mid-run
-    real = torchrun(["-m", "experiments.run", "-m", "optimizer=sgd,adamw", "dist.strategy=ddp,fsdp2",
+    real = torchrun(["-m", "gradscale.run", "-m", "optimizer=sgd,adamw", "dist.strategy=ddp,fsdp2",
                      "fix=true,false", *TINY, *steps, f"hydra.sweep.dir={tmp_path / 'real'}"], cache_dir)
     assert real.returncode == 0, real.stderr[-4000:]
     emulated = cli(["-m", "optimizer=sgd,adamw", "fix=true,false", *TINY, *steps,
@@ -78,7 +78,7 @@ def test_torchrun_ddp_and_fsdp2_match_emulation(cli, tmp_path, cache_dir):
 def test_lora_under_torchrun_matches_emulation(cli, tmp_path, cache_dir):
     """The engines with a frozen base and peft adapters (FSDP2 shards the layers under the peft wrapper)."""
     args = ["optimizer=adamw", "finetune=lora", "fix=false", *TINY, "steps=5", "world_size=2"]
-    real = torchrun(["-m", "experiments.run", "-m", "dist.strategy=ddp,fsdp2", *args,
+    real = torchrun(["-m", "gradscale.run", "-m", "dist.strategy=ddp,fsdp2", *args,
                      f"hydra.sweep.dir={tmp_path / 'real'}"], cache_dir)
     assert real.returncode == 0, real.stderr[-4000:]
     emulated = cli(["-m", *args, f"hydra.sweep.dir={tmp_path / 'emulated'}"])
@@ -95,7 +95,7 @@ def test_lora_under_torchrun_matches_emulation(cli, tmp_path, cache_dir):
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_parity_oracle(strategy):
-    from experiments.parity import format_table, run_parity
+    from gradscale.parity import format_table, run_parity
 
     rows = run_parity(world_size=2, strategy=strategy, grad_accum=2)
     assert all(r.ok for r in rows), format_table(rows)
@@ -109,7 +109,7 @@ def test_parity_oracle(strategy):
 
 # Known bugs, injected into every rank before it computes (module-level functions: picklable for spawn).
 def inject_dropped_world_factor():
-    from experiments.grads import GradPipeline
+    from gradscale.grads import GradPipeline
 
     def factor(self, num_tokens, ranks_averaged=False):
         return (1.0 if ranks_averaged else 1.0 / self.world_size) / max(num_tokens, 1) * self.scale
@@ -118,8 +118,8 @@ def inject_dropped_world_factor():
 
 
 def inject_local_token_count():
-    from experiments import train
-    from experiments.grads import count_trained_tokens
+    from gradscale import train
+    from gradscale.grads import count_trained_tokens
 
     train.global_token_count = lambda local_targets, ranks: count_trained_tokens(local_targets)
 
@@ -127,7 +127,7 @@ def inject_local_token_count():
 @pytest.mark.distributed
 @pytest.mark.parametrize("bug", [inject_dropped_world_factor, inject_local_token_count])
 def test_mutation_self_test_the_oracle_flags_each_known_bug(bug):
-    from experiments.parity import run_parity
+    from gradscale.parity import run_parity
 
     rows = run_parity(world_size=2, strategy="ddp", grad_accum=2, child_setup=bug)
     flagged = [r for r in rows if r.recipe == "global_tokens" and not r.ok]
@@ -138,7 +138,7 @@ def test_mutation_self_test_the_oracle_flags_each_known_bug(bug):
 @pytest.mark.distributed
 def test_parity_cli_prints_the_table():
     env = {**os.environ, **OFFLINE_ENV, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "experiments.parity", "--grad-accum", "1"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "gradscale.parity", "--grad-accum", "1"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count(" ok") == 12 and "global_tokens_no_world_fix" in proc.stdout
@@ -160,8 +160,8 @@ def test_a_dead_rank_ends_the_job_quickly_and_nothing_claims_completion(tmp_path
 
 
 def test_explicit_world_size_that_disagrees_with_torchrun_is_refused(monkeypatch):
-    from experiments.checks import ConfigError
-    from experiments.config import validate
+    from gradscale.checks import ConfigError
+    from gradscale.config import validate
     from tests.conftest import compose
 
     monkeypatch.setenv("RANK", "0")
@@ -217,9 +217,9 @@ def bare_env():
 
 
 def test_slurm_tasks_become_torchrun_ranks(bare_env):
-    from experiments.checks import ConfigError
-    from experiments.config import validate
-    from experiments.parallel import adopt_slurm_tasks, env_rank, under_torchrun
+    from gradscale.checks import ConfigError
+    from gradscale.config import validate
+    from gradscale.parallel import adopt_slurm_tasks, env_rank, under_torchrun
     from tests.conftest import compose
 
     bare_env.update(SLURM_TASK, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
@@ -237,13 +237,13 @@ def test_slurm_tasks_become_torchrun_ranks(bare_env):
     adopt_slurm_tasks()
     assert (bare_env["RANK"], bare_env["LOCAL_RANK"], bare_env["MASTER_ADDR"], bare_env["MASTER_PORT"]) == (
         "0", "0", "gpu07", port)
-    # and the run's world_size is checked against SLURM's task count, as conf/hydra/launcher/slurm.yaml says
+    # and the run's world_size is checked against SLURM's task count, as gradscale/conf/hydra/launcher/slurm.yaml says
     with pytest.raises(ConfigError, match=r"world_size=8 .*WORLD_SIZE=16"):
         validate(compose(["world_size=8", "batch_size=16"]), overrides=["world_size=8"])
 
 
 def test_slurm_adoption_keeps_a_given_master_port(bare_env):
-    from experiments.parallel import adopt_slurm_tasks
+    from gradscale.parallel import adopt_slurm_tasks
 
     bare_env.update(SLURM_TASK, MASTER_PORT="29400")
     adopt_slurm_tasks()
@@ -252,7 +252,7 @@ def test_slurm_adoption_keeps_a_given_master_port(bare_env):
 
 @pytest.mark.parametrize("case", ["under torchrun", "one task", "no SLURM", "SLURM without submitit"])
 def test_slurm_adoption_leaves_the_environment_alone(bare_env, case):
-    from experiments.parallel import adopt_slurm_tasks
+    from gradscale.parallel import adopt_slurm_tasks
 
     if case == "under torchrun":  # torchrun inside the SLURM job: its ranks win
         bare_env.update(SLURM_TASK, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
@@ -275,8 +275,8 @@ def test_every_collective_runs_on_the_backends_device(monkeypatch, collective):
     (here `meta`, which no CPU tensor is on) before it reduces. The global token count once did not."""
     import torch
 
-    from experiments import grads
-    from experiments.parallel import Ranks
+    from gradscale import grads
+    from gradscale.parallel import Ranks
 
     placed = []
 
@@ -297,12 +297,12 @@ def test_every_collective_runs_on_the_backends_device(monkeypatch, collective):
 
 
 def test_no_collective_bypasses_ranks():
-    """Every all-reduce, gather, broadcast or barrier in experiments/ goes through experiments/parallel.py."""
+    """Every all-reduce, gather, broadcast or barrier in gradscale/ goes through gradscale/parallel.py."""
     import re
 
     collective = re.compile(r"\bdist\.(all_reduce|all_gather\w*|reduce_scatter\w*|broadcast\w*|reduce|gather"
                             r"|scatter|barrier|monitored_barrier)\(")
-    offenders = [f"{path.name}:{n}" for path in sorted((ROOT / "experiments").glob("*.py"))
+    offenders = [f"{path.name}:{n}" for path in sorted((ROOT / "gradscale").glob("*.py"))
                  if path.name != "parallel.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if collective.search(line)]
     assert offenders == []

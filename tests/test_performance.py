@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from experiments.cache import GLIBC_MALLOC_ENV
+from gradscale.cache import GLIBC_MALLOC_ENV
 from tests.conftest import OFFLINE_ENV, ROOT, load_script
 
 
@@ -55,12 +55,12 @@ def test_bench_against_measures_an_earlier_commit_in_a_worktree_it_removes():
     """--against's code: a git worktree of the commit, on which this script's probe imports that commit's code."""
     bench = load_bench()
     with bench.worktree("HEAD") as tree:
-        assert (tree / "experiments" / "train.py").is_file()
+        assert (tree / "gradscale" / "train.py").is_file()
         probe = subprocess.run([sys.executable, "-c", "import sys, os; sys.path.insert(0, os.environ["
-                                "'GRADSCALE_BENCH_CODE']); import experiments; print(experiments.__file__)"],
+                                "'GRADSCALE_BENCH_CODE']); import gradscale; print(gradscale.__file__)"],
                                cwd=tree, env={**os.environ, "GRADSCALE_BENCH_CODE": str(tree)}, capture_output=True,
                                text=True, timeout=60)
-        assert probe.stdout.strip() == str(tree / "experiments" / "__init__.py")
+        assert probe.stdout.strip() == str(tree / "gradscale" / "__init__.py")
     assert not tree.exists()
     listed = subprocess.run(["git", "worktree", "list"], cwd=ROOT, capture_output=True, text=True).stdout
     assert "gradscale-bench-" not in listed
@@ -102,7 +102,7 @@ def test_bench_refuses_too_few_steps():
 
 
 def test_parallel_jobs_share_the_cores(monkeypatch):
-    from experiments.run import share_cores
+    from gradscale.run import share_cores
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
@@ -119,12 +119,12 @@ def test_parallel_jobs_share_the_cores(monkeypatch):
         torch.set_num_threads(threads)
 
 
-# Imports as a suite job's process does (experiments.run) before the setting: with only experiments.cache
+# Imports as a suite job's process does (gradscale.run) before the setting: with only gradscale.cache
 # imported, 3 of 4 processes still faulted 1,638-4,915 pages per 64 MB allocation (2026-12-06, not understood).
 FAULTS_PER_ALLOCATION = """
 import resource, torch
-import experiments.run
-from experiments.cache import keep_freed_memory
+import gradscale.run
+from gradscale.cache import keep_freed_memory
 applied = keep_freed_memory()
 for _ in range(3):
     torch.ones(16 << 20).sum()  # 64 MB: above the largest size glibc ever serves from its heap by default
@@ -152,7 +152,7 @@ def test_freed_memory_is_kept_unless_the_user_set_glibc_malloc():
 
 @pytest.mark.parametrize("n", [1, 2, 7, 4097, 131072])
 def test_cpu_quantiles_are_torch_quantiles(n):
-    from experiments.optim import QUANTILES, quantiles
+    from gradscale.optim import QUANTILES, quantiles
 
     values = torch.rand(n, generator=torch.Generator().manual_seed(n)).square()  # skewed, like sqrt(v_hat)
     values[: n // 3] = values[0]  # ties

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.sweep import job_dirs
+from gradscale.sweep import job_dirs
 from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics
 
 LONG = [*TINY, "steps=150", "checkpoint_every=20"]
@@ -25,7 +25,7 @@ def without_timings(records: list[dict]) -> list[dict]:
 
 def start(args: list[str], cache_dir) -> subprocess.Popen:
     env = {**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(cache_dir)}
-    return subprocess.Popen([sys.executable, "-m", "experiments.run", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "gradscale.run", *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -75,7 +75,7 @@ def test_rerun_sweep_resumes_the_killed_job_and_leaves_the_diverged_one(cli, tmp
     assert resumed["status"] == "completed" and resumed["resumed_from_step"] >= 20
     steps = [r["step"] for r in read_metrics(job_dirs(sweep)[1]) if "train/loss" in r]
     assert steps == list(range(150))
-    from analysis.report import main
+    from gradscale.analysis.report import main
 
     assert main([str(sweep)]) == 0
     report = (sweep / "report" / "report.md").read_text()
@@ -138,8 +138,8 @@ def test_skipped_single_run_leaves_its_provenance_byte_identical(cli, tmp_path):
 
 
 def test_rewind_drops_later_records_and_a_torn_line(tmp_path):
-    from experiments.config import WandbConfig
-    from experiments.metrics import RunLog
+    from gradscale.config import WandbConfig
+    from gradscale.metrics import RunLog
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 1.0}) + "\n"
                                                     for s in range(5)) + '{"step": 5, "train/lo')
@@ -154,7 +154,7 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_in_one_line_and_runs_n
     """Resuming loads with weights_only: a file dropped into a shared run folder cannot run code."""
     import torch
 
-    from experiments.checkpoint import CheckpointError, read
+    from gradscale.checkpoint import CheckpointError, read
 
     marker = tmp_path / "ran"
 

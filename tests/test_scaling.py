@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import advise, scaling, theory
-from experiments.records import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
+from gradscale.analysis import advise, scaling, theory
+from gradscale.records import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
 from tests.conftest import OFFLINE_ENV, ROOT
 
 
@@ -50,7 +50,7 @@ def test_critical_world_size_is_where_the_update_is_cut_by_one_percent():
 
 
 def analysis_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "analysis.scaling", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "gradscale.analysis.scaling", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, **OFFLINE_ENV})
 
 

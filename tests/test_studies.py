@@ -1,4 +1,4 @@
-"""Study presets (conf/experiment/): each composes with its own sweep, opens with its comment block, and
+"""Study presets (gradscale/conf/experiment/): each composes with its own sweep, opens with its comment block, and
 runs whole in its smoke form; scripts/study.sh runs one and writes its report."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from experiments.config import validate
-from experiments.sweep import job_dirs
+from gradscale.config import validate
+from gradscale.sweep import job_dirs
 from tests.conftest import CONF, OFFLINE_ENV, ROOT, compose, read_metrics, train_records
 
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from experiments import job, model, train
-from experiments.grads import total_norm
-from experiments.hydra_glue import to_object
-from experiments.optimizers import build_optimizer
-from experiments.parallel import Ranks
+from gradscale import job, model, train
+from gradscale.grads import total_norm
+from gradscale.hydra_glue import to_object
+from gradscale.optimizers import build_optimizer
+from gradscale.parallel import Ranks
 from tests.conftest import compose, run_in_process, train_records
 
 OPTIMIZERS = {

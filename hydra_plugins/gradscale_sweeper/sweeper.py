@@ -1,15 +1,18 @@
 """Hydra's basic sweeper with these additions for gradscale sweeps:
 
 1. `hydra.sweeper.include`: jobs beyond the grid, each a list of overrides on top of the sweep's fixed
-   (not swept) overrides, e.g. a control run at another lr (conf/experiment/world_size_fix.yaml);
+   (not swept) overrides, e.g. a control run at another lr (gradscale/conf/experiment/world_size_fix.yaml);
 2. every job's config is composed and range-checked, and what it needs from the machine checked, before
    the first job starts, so a bad value anywhere in the sweep costs nothing;
 3. a job that fails is recorded (its summary.json says failed) and the other jobs still run;
 4. the sweep ends with a table of its runs, and exits non-zero if any failed;
 5. job folders are named by the overrides that tell the jobs apart (not `experiment=...`, `smoke=on`, which
-   every job shares), and a re-run keeps each job's existing folder (experiments.sweep.folder_name_overrides);
-6. the jobs log to a W&B group named by what the sweep runs and where (experiments.sweep.wandb_group), unless
+   every job shares), and a re-run keeps each job's existing folder (gradscale.sweep.folder_name_overrides);
+6. the jobs log to a W&B group named by what the sweep runs and where (gradscale.sweep.wandb_group), unless
    the command sets wandb.group.
+
+Hydra imports every module under hydra_plugins/ when any Hydra app starts, so this one imports nothing of
+gradscale at module level: only a sweep that selects this sweeper does.
 """
 
 from __future__ import annotations
@@ -24,19 +27,6 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import CompactHydraException
-
-from experiments.checks import ConfigError, check_writable, override_key
-from experiments.config import validate
-from experiments.probes import check_environment
-from experiments.sweep import (
-    check_same_sweep,
-    folder_name_overrides,
-    format_sweep_table,
-    hydra_quoted,
-    is_finished,
-    sweep_runs,
-    wandb_group,
-)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +47,8 @@ class GradscaleSweeper(BasicSweeper):
 
     def jobs(self, overrides: list[Override]) -> list[list[str]]:
         """Every job's own overrides: the grid (as the basic sweeper builds it), then one per `include` entry."""
+        from gradscale.checks import override_key
+
         grid = [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
         fixed = [f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in overrides
                  if not o.is_sweep_override()]
@@ -67,6 +59,8 @@ class GradscaleSweeper(BasicSweeper):
 
     def split_arguments(self, overrides: list[Override], max_batch_size: int | None) -> list[list[list[str]]]:
         """The jobs, each with the hydra overrides that name its folder, in batches."""
+        from gradscale.sweep import folder_name_overrides, hydra_quoted, is_finished, wandb_group
+
         grid = self.jobs(overrides)
         exclude_keys = list(self.config.hydra.job.config.override_dirname.exclude_keys)
         naming = folder_name_overrides(grid, exclude_keys, self.folders)
@@ -83,6 +77,8 @@ class GradscaleSweeper(BasicSweeper):
         return [launched[i:i + size] for i in range(0, len(launched), size)]
 
     def sweep(self, arguments: list[str]) -> Any:
+        from gradscale.checks import ConfigError
+
         self.task = list(arguments)  # the command's own overrides: they name the sweep's W&B group
         self.preset = self.config.hydra.runtime.choices.get("experiment")
         self.sweep_dir = Path(self.config.hydra.sweep.dir)
@@ -97,6 +93,11 @@ class GradscaleSweeper(BasicSweeper):
     def _checked_jobs(self, arguments: list[str]) -> list[list[str]]:
         """Every job's overrides, each composed and range-checked; the sweep folder writable, and holding
         nothing but this sweep's runs (a re-run resumes it: finished jobs skipped, killed ones resumed)."""
+        from gradscale.checks import ConfigError, check_writable
+        from gradscale.config import validate
+        from gradscale.probes import check_environment
+        from gradscale.sweep import check_same_sweep
+
         assert self.hydra_context is not None and self.config is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
@@ -121,6 +122,8 @@ class GradscaleSweeper(BasicSweeper):
         and range-checked them all before any ran (a third of a smoke preset's time went to this)."""
 
     def _launch(self, arguments: list[str]) -> Any:
+        from gradscale.sweep import format_sweep_table, sweep_runs
+
         sweep_dir = Path(self.config.hydra.sweep.dir)
         try:
             returns = super().sweep(arguments)
@@ -133,7 +136,7 @@ class GradscaleSweeper(BasicSweeper):
             return returns
         rows = sweep_runs(sweep_dir)
         print(f"\nsweep {sweep_dir}: {len(rows)} runs\n{format_sweep_table(rows)}\n"
-              f"figures and report.md: python -m analysis.report {sweep_dir}", flush=True)
+              f"figures and report.md: gradscale-report {sweep_dir}", flush=True)
         failed = [r for r in rows if r["status"] not in ("completed", "diverged")]
         if returns is None or failed:
             print(f"error: {len(failed)} of {len(rows)} runs did not complete; see {sweep_dir}/*/run.log",

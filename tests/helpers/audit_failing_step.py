@@ -2,7 +2,7 @@
 
 import torch.distributed as dist
 
-from experiments.audit.zoo import global_token_mean
+from gradscale.audit.zoo import global_token_mean
 
 
 def step(model, micro_batches, world):

@@ -1,9 +1,9 @@
-"""`experiments.run` with rank 1 raising at step 2: for the dead-rank test under torchrun."""
+"""`gradscale.run` with rank 1 raising at step 2: for the dead-rank test under torchrun."""
 
 import os
 
-from experiments import grads
-from experiments.run import main
+from gradscale import grads
+from gradscale.run import main
 
 real_apply = grads.GradPipeline.apply
 calls = {"n": 0}

@@ -27,7 +27,7 @@ def write_tiny_gguf(path: Path):
     from tokenizers import AddedToken
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from experiments import data
+    from gradscale import data
 
     tokenizer = data.build_tokenizer(data.pydoc_examples(), 512, None)
     tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken("<|im_start|>"), AddedToken("<|im_end|>")]})

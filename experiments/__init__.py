@@ -1,1 +1,0 @@
-"""gradscale's training side: `python -m experiments.run` is the entry point."""

@@ -1,0 +1,322 @@
+"""Tables from the loaded runs and curves: pairs with their reference, deviations, the theory's bands and
+crossings, the equivalences. Tables in (gradscale.analysis.load), tables out; plots draw them, report writes them.
+
+The reference of a run is the run identical but for scale 1 with the world-size fix on (c_eff = 1 in the
+recipe HF Trainer and torchtune use).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from gradscale.analysis.load import curve, read_jsonl, short_number
+from gradscale.analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group, twin_value
+from gradscale.optimizers import entry as optimizer_entry
+from gradscale.recipes import with_fix
+from gradscale.records import GRAD_NORM, TRAIN_LOSS
+
+# Columns that make two runs "the same experiment" apart from the studied factor.
+PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
+                "normalization", "seed", "steps")
+
+
+def is_reference(runs: pd.DataFrame) -> pd.Series:
+    """Runs at scale 1 with the fix on and global_tokens in effect: the c_eff = 1 runs others pair with."""
+    return (runs.scale == 1.0) & runs.fix & (runs.normalization == "global_tokens")
+
+
+def pair_references(runs: pd.DataFrame) -> pd.Series:
+    """For each run, the run identical in everything but scale and fix, at scale 1 with the fix on
+    (None where the sweep has no such run). Indexed like `runs`, values are run names."""
+    keys = list(PAIRING_KEYS)
+    lookup = {_recipe(r, keys): r["run"] for _, r in runs[is_reference(runs)].iterrows()}
+    found = [lookup.get(_recipe(r, keys)) for _, r in _recipe_up_to_c(runs).iterrows()]
+    return pd.Series(found, index=runs.index, dtype=object)  # object: None stays None
+
+
+def _recipe_up_to_c(runs: pd.DataFrame) -> pd.DataFrame:
+    """A recipe without the fix differs from its recipe with it only by the factor c_eff already carries."""
+    return runs.assign(normalization=runs.normalization.map(with_fix))
+
+
+def _key(value):
+    return "nan" if isinstance(value, float) and value != value else value  # NaN eps (SGD) pairs with itself
+
+
+def _recipe(row, keys) -> tuple:
+    """A run's settings under `keys`, as a lookup key."""
+    return tuple(_key(row[k]) for k in keys)
+
+
+def max_divergence(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.Series:
+    """Per run, max over steps of |loss - loss(reference)| (NaN without a reference, inf when it diverged)."""
+    references = pair_references(runs)
+    out = {}
+    for i, r in zip(runs.index, runs.itertuples()):
+        if references[i] is None or references[i] == r.run:
+            out[r.run] = np.nan if references[i] is None else 0.0
+            continue
+        mine = curve(curves, r.run, TRAIN_LOSS)
+        delta = (mine - curve(curves, references[i], TRAIN_LOSS)).abs()
+        diverged = r.status == "diverged" or not np.isfinite(mine.to_numpy()).all()
+        out[r.run] = np.inf if diverged else float(delta.max()) if len(delta.dropna()) else np.nan
+    return pd.Series(out)
+
+
+def one_percent_thresholds(runs: pd.DataFrame) -> dict[tuple[str, float], float]:
+    """Per (setup, lr) with a reference: 1% of the reference's final loss, the threshold the breakdown is
+    judged by."""
+    references = pair_references(runs)
+    final = runs.set_index("run").final_loss
+    out = {}
+    for i, r in zip(runs.index, runs.itertuples()):
+        loss = final.get(references[i]) if references[i] is not None else None
+        if loss is not None and not pd.isna(loss):
+            out.setdefault((r.setup, r.lr), 0.01 * abs(float(loss)))
+    return out
+
+
+def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
+    """Pairs that the theory says train identically (docs/design.md physics 2-3), with c_eff != 1 on one side:
+    each optimizer's twin rule (gradscale/optimizers/: SGD(lr, c) == SGD(lr*c, 1) without weight decay,
+    AdamW(c, eps) == AdamW(1, eps/c)); none with clipping. And physics 1, the bug is a pure rescale: a run at
+    c_eff = 1 by another scale and fix (fix off at scale N) == its scale 1, fix-on reference.
+    Columns: run, equivalent (the c_eff = 1 run), rule."""
+    keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]
+    rows = []
+    for reference, r in zip(pair_references(runs), runs.itertuples()):
+        if np.isclose(r.c_eff, 1.0) and reference not in (None, r.run):
+            rows.append({"run": r.run, "equivalent": reference,
+                         "rule": f"scale={short_number(r.scale)}, fix {'on' if r.fix else 'off'} "
+                                 f"(world_size {r.world_size}) == scale=1, fix on: the same c_eff = 1"})
+    runs = _recipe_up_to_c(runs)
+    unit = runs[np.isclose(runs.c_eff, 1.0)]
+    for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna()].itertuples():
+        optimizer = optimizer_entry(r.optimizer)
+        rule = optimizer.scale_rule
+        if not rule.twin or (rule.twin_needs_no_weight_decay and r.weight_decay != 0):
+            continue
+        wanted = {"lr": r.lr, "eps": r.eps}  # the twin's keys are lr or the rule's eps (a registry test says so)
+        shown = []
+        for key, power in rule.twin:
+            column = "lr" if key == "lr" else "eps"
+            wanted[column] = twin_value(getattr(r, column), r.c_eff, power)
+            shown.append((key, getattr(r, column), wanted[column]))
+        match = np.logical_and.reduce([
+            unit[column].isna() if pd.isna(value) else np.isclose(unit[column], value, rtol=1e-6, atol=0)
+            for column, value in wanted.items()])
+        c = short_number(r.c_eff)
+        if [key for key, _ in rule.twin] == ["lr"]:
+            _, lr, twin_lr = shown[0]
+            label = optimizer.label
+            text = f"{label}(lr={short_number(lr)}, c={c}) == {label}(lr={short_number(twin_lr)}, c=1)"
+        else:
+            mine = ", ".join(f"{key}={short_number(value)}" for key, value, _ in shown)
+            theirs = ", ".join(f"{key}={short_number(value)}" for key, _, value in shown)
+            text = f"{optimizer.label}(c={c}, {mine}) == {optimizer.label}(c=1, {theirs})"
+        mine = {k: _key(getattr(r, k)) for k in keys}
+        same = np.logical_and.reduce([[_key(v) == mine[k] for v in unit[k]] for k in keys])
+        for equivalent in unit[match & same].run:
+            rows.append({"run": r.run, "equivalent": equivalent, "rule": text})
+    return pd.DataFrame(rows, columns=["run", "equivalent", "rule"])
+
+
+def equivalence_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """equivalent_references with the measured max |Δ loss| of each pair over the logged steps."""
+    table = equivalent_references(runs)
+    deltas = []
+    for r in table.itertuples():
+        delta = (curve(curves, r.run, TRAIN_LOSS) - curve(curves, r.equivalent, TRAIN_LOSS)).abs()
+        deltas.append(float(delta.max()) if len(delta.dropna()) else math.nan)
+    return table.assign(**{"max abs Δloss": deltas})
+
+
+def measured_bands(runs: pd.DataFrame, curves: pd.DataFrame) -> dict[str, tuple[float, float]]:
+    """Per setup, the band of c_eff where the theory predicts the breakdown, from its reference run.
+
+    Adam-type setups (eps): (eps/s_q10, eps/s_q90) from the reference's sqrt(v_hat) quantiles: at each
+    recorded step the numel-weighted medians over tensors of each tensor's q10 and q90 give a band; the
+    result spans them all (early in training s is smaller, so the breakdown starts at larger c).
+    Clipped setups: theory.clipping_band of the reference's logged grad norms (the two bands are drawn
+    apart: a clipped Adam setup gets the clipping band, which sits decades higher)."""
+    bands = {}
+    for r in runs[is_reference(runs)].itertuples():
+        if r.setup in bands:
+            continue
+        if r.clip is not None and not pd.isna(r.clip):
+            norms = curve(curves, r.run, GRAD_NORM).to_numpy()
+            if len(norms):
+                bands[r.setup] = clipping_band(norms, float(r.clip))
+            continue
+        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl")) if not pd.isna(r.eps) else pd.DataFrame()
+        if stats.empty:
+            continue
+        medians = [{q: _weighted_median(g[q].to_numpy(), g.numel.to_numpy()) for q in ("q10", "q90")}
+                   for _, g in stats.groupby("step")]
+        # s = 0: most coordinates have had no gradient yet (LoRA's A at step 0); no finite c* to draw
+        per_step = [breakdown_band(m, r.eps) for m in medians if min(m.values()) > 0]
+        if per_step:
+            bands[r.setup] = (max(b[0] for b in per_step), min(b[1] for b in per_step))
+    return bands
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
+
+
+GROUP_MULTIPLIERS = (1.0, 1 / 8, 1 / 64, 1 / 1024)  # c = 1, and the bug at world size 8, 64, 1024
+
+
+def eps_share_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per Adam-type reference run and tensor group, the share of coordinates with c * s < eps at the run's
+    last recorded step, for c = 1 and the world-size bug at N = 8, 64, 1024 (interpolated from each
+    tensor's measured sqrt(v_hat) quantiles: theory.share_below; 1% and 99% are bounds)."""
+    rows = []
+    for r in runs[is_reference(runs) & ~runs.eps.isna()].drop_duplicates("setup").itertuples():
+        stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
+        if stats.empty:
+            continue
+        last = stats[stats.step == stats.step.max()]
+        last = last.assign(group=last.tensor.map(tensor_group))
+        for group, tensors in last.groupby("group"):
+            row = {"setup": r.setup, "model": r.model, "step": int(last.step.iloc[0]), "group": group,
+                   "coordinates": int(tensors.numel.sum())}
+            for c in GROUP_MULTIPLIERS:
+                shares = [share_below(t._asdict(), r.eps / c) for t in tensors.itertuples()]
+                row[f"c={_short_c(c)}"] = float(np.average(shares, weights=tensors.numel))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _short_c(c: float) -> str:
+    return "1" if c == 1 else f"1/{round(1 / c)}"
+
+
+def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """Per run: setup, lr, scale, fix, c_eff, status, final loss, max |Δ loss| and the grad-norm ratio at
+    step 0 against its reference, the share of steps clipped (where any run clips), the reference's name."""
+    references = pair_references(runs)
+    deltas = max_divergence(runs, curves)
+    rows = []
+    for i, r in zip(runs.index, runs.itertuples()):
+        ratio = math.nan
+        if references[i] is not None:
+            mine, ref = curve(curves, r.run, GRAD_NORM), curve(curves, references[i], GRAD_NORM)
+            if len(mine) and len(ref):
+                ratio = float(mine.iloc[0] / ref.iloc[0])
+        clipped = r.clipped_steps / r.steps_done if r.clip is not None and r.steps_done else math.nan
+        rows.append({"setup": r.setup, "lr": r.lr, "scale": r.scale, "fix": r.fix, "c_eff": r.c_eff,
+                     "status": r.status, "final loss": r.final_loss, "max abs Δloss vs ref": deltas[r.run],
+                     "grad-norm ratio @ step 0": ratio, "clipped share": clipped, "reference": references[i]})
+    table = pd.DataFrame(rows)
+    return table.drop(columns="clipped share") if table["clipped share"].isna().all() else table
+
+
+def theory_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
+    """Per setup and lr with a reference: where the measured deviation passes 1% of the reference's final
+    loss, below and above c = 1 (log-log interpolation on the grid), next to the predicted band."""
+    deltas = max_divergence(runs, curves)
+    bands = measured_bands(runs, curves)
+    thresholds = one_percent_thresholds(runs)
+    rows = []
+    for (setup, lr), group in runs.assign(reference=pair_references(runs)).dropna(subset=["reference"]).groupby(
+            ["setup", "lr"], sort=False):
+        threshold = thresholds.get((setup, lr))
+        if threshold is None or group.c_eff.nunique() < 2:
+            continue
+        c, d = group.c_eff.to_numpy(), group.run.map(deltas).to_numpy()
+        band = bands.get(setup)
+        rows.append({"setup": setup, "lr": lr, "1% of ref. loss": threshold,
+                     "c_1% below 1": crossing_cell(c, d, threshold, "below"),
+                     "c_1% above 1": crossing_cell(c, d, threshold, "above"),
+                     "predicted band": "-" if band is None else
+                     f"{short_number(min(band), 2)} .. {short_number(max(band), 2)}"})
+    return pd.DataFrame(rows)
+
+
+def crossing_cell(c_values, deviations, threshold: float, side: str) -> str:
+    """theory.crossing for a table: a grid point as it is, an interpolated value marked as such with the two
+    grid points it lies between, '-' when the deviation never passes the threshold on the grid."""
+    value = crossing(c_values, deviations, threshold, side)
+    if np.isnan(value):
+        return "-"
+    grid = np.unique(np.asarray(c_values, dtype=float))
+    if np.isclose(grid, value, rtol=1e-9, atol=0).any():
+        return f"{short_number(value)} (grid point)"
+    low, high = grid[grid < value].max(), grid[grid > value].min()
+    return f"≈{short_number(value)} (interpolated, {short_number(low)}..{short_number(high)})"
+
+
+def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
+    """For each reference run (scale 1, fix on), the reference runs identical to it in everything but the seed,
+    itself included: the repeats whose spread is what changing nothing but the data order does."""
+    keys = [k for k in PAIRING_KEYS if k != "seed"]
+    references = runs[is_reference(runs)]
+    groups: dict[tuple, list[str]] = {}
+    for _, r in references.iterrows():
+        groups.setdefault(_recipe(r, keys), []).append(r["run"])
+    return {run: group for group in groups.values() for run in group}
+
+
+CONTRAST_KEYS = ("precision",)  # run settings besides c_eff whose effect a study reads against the seed band
+
+
+def contrast_references(runs: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """For a reference run (scale 1, fix on) with no seed repeats of its own: the reference with seed repeats
+    that is identical to it but in one of CONTRAST_KEYS (an fp32 control against the bf16 runs' band). What
+    that setting does is then read against what the data order alone does, as the bug's c_eff is.
+    {run: (that reference, the key they differ in)}."""
+    siblings, references = seed_siblings(runs), runs[is_reference(runs)]
+    is_banded = references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)
+    found = {}
+    for key in CONTRAST_KEYS:  # the same in every other setting (seed too) and not a seed sibling: differs in key
+        others = [k for k in PAIRING_KEYS if k != key]
+        banded = {_recipe(r, others): r["run"] for _, r in references[is_banded].iterrows()}
+        for _, r in references[~is_banded].iterrows():
+            if _recipe(r, others) in banded:
+                found.setdefault(r["run"], (banded[_recipe(r, others)], key))
+    return found
+
+
+def seed_curves(curves: pd.DataFrame, seeds: list[str], metric: str) -> pd.DataFrame:
+    """metric of each seed repeat (a column per run), at the steps they all logged; its row-wise sample std
+    (ddof 1) is what changing nothing but the data order does."""
+    return pd.concat({s: curve(curves, s, metric) for s in seeds}, axis=1).dropna()
+
+
+def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+    """Every run against its reference (or the run the theory calls it equal to, or the banded run it contrasts in
+    one CONTRAST_KEYS setting), read in units of the seed band: at the last step both logged `metric`,
+    the difference run - reference, the sample standard deviation of the metric over the reference's seed
+    siblings there (at least 2 seeds), and the difference in units of it; also the largest |difference| / std
+    over all the steps they share. Rows only where the band exists."""
+    siblings = seed_siblings(runs)
+    # the reference: the same run at scale 1 with the fix on, else the c_eff = 1 run the theory calls it equal
+    # to (an eps / N repair of the bug: AdamW(c, eps) == AdamW(1, eps / c)), else the banded run it contrasts
+    equivalents = dict(zip(*equivalent_references(runs)[["run", "equivalent"]].to_numpy().T)) if len(runs) else {}
+    contrasts = {run: reference for run, (reference, _) in contrast_references(runs).items()}
+    rows = []
+    for r, paired in zip(runs.itertuples(), pair_references(runs)):
+        reference = paired if paired not in (None, r.run) else equivalents.get(r.run) or contrasts.get(r.run)
+        if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
+            continue
+        for metric in metrics:
+            seeds = seed_curves(curves, siblings[reference], metric)
+            delta = (curve(curves, r.run, metric) - curve(curves, reference, metric)).dropna()
+            steps = seeds.index.intersection(delta.index)
+            if steps.empty:
+                continue
+            spread = seeds.loc[steps].std(axis=1, ddof=1)
+            last = steps[-1]
+            rows.append({"run": r.run, "setup": r.setup, "c_eff": r.c_eff, "metric": metric, "step": int(last),
+                         "difference": delta[last], "seed std": spread[last], "seeds": seeds.shape[1],
+                         "difference / std": delta[last] / spread[last],
+                         "max |difference| / std": (delta[steps].abs() / spread).max()})
+    return pd.DataFrame(rows, columns=["run", "setup", "c_eff", "metric", "step", "difference", "seed std", "seeds",
+                                       "difference / std", "max |difference| / std"])

@@ -1,0 +1,318 @@
+"""Built-in audit targets that run real framework code: each framework's own training step, not a copy.
+
+    hf_trainer                     transformers.Trainer, average_tokens_across_devices on (its default)
+    hf_trainer_no_token_average    the same with it off: each rank's own token count
+    trl_sft                        TRL's SFTTrainer, fp32 (its config defaults to bf16)
+    gradscale[_RECIPE]             this suite's own loop code (accumulate_gradients, GradPipeline.apply)
+
+The trainers run one optimizer step (max_steps=1, gradient_accumulation_steps=K) on a data loader that yields
+exactly this rank's micro-batches (the audit decides who sees what, so the trainer's sampler is replaced), with
+an optimizer that keeps a copy of the gradients it is handed and changes nothing, and a clipping threshold that
+never acts (so the trainer computes and logs its grad norm). The peers are an optional extra:
+`pip install -e '.[peers]'`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+
+import torch
+
+from gradscale.audit.contract import AuditError, World
+
+
+class KeepGradients(torch.optim.Optimizer):
+    """An optimizer whose step keeps a copy of each parameter's gradient and updates nothing."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})  # trainers read and log the lr
+        self.kept: dict[torch.nn.Parameter, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.kept[p] = p.grad.detach().clone()
+
+
+def _hf_training_arguments(args_class, world: World, out_dir: str, **extra):
+    return args_class(output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=world.accumulation,
+                      max_steps=1, max_grad_norm=1e30, logging_steps=1, report_to="none", save_strategy="no",
+                      disable_tqdm=True, use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, seed=0,
+                      lr_scheduler_type="constant", log_level="error", **extra)
+
+
+def _run_trainer(trainer_class, model, micro_batches, args) -> float | None:
+    """One optimizer step of an HF-style trainer on exactly these micro-batches; leaves the gradient its
+    optimizer was handed in .grad and returns the grad norm it logged."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader
+    from transformers import TrainerCallback
+
+    AcceleratorState._reset_state()  # the accelerate singletons keep the previous accumulation's settings
+    GradientState._reset_state()
+    logged: dict[str, float] = {}
+
+    class KeepLogs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.update(logs or {})
+
+    class OnTheseBatches(trainer_class):
+        def get_train_dataloader(self):  # the audit's micro-batches, in order, on this rank only
+            return DataLoader(micro_batches, batch_size=None, shuffle=False)
+
+    optimizer = KeepGradients(model.parameters())
+    trainer = OnTheseBatches(model=model, args=args, train_dataset=_stand_in(micro_batches),
+                             optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
+                             callbacks=[KeepLogs()], **_processing_class(trainer_class, model))
+    trainer.train()
+    for p in model.parameters():
+        p.grad = optimizer.kept.get(p)
+    return logged.get("grad_norm")
+
+
+def _stand_in(micro_batches):
+    """The train_dataset the trainers insist on (a datasets.Dataset, for its length and columns); the batches
+    come from the loader."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({key: [row.tolist() for mb in micro_batches for row in mb[key]]
+                              for key in micro_batches[0]})
+
+
+def _processing_class(trainer_class, model) -> dict:
+    """TRL's trainers insist on a tokenizer (for padding); the batches are tokenized already."""
+    if trainer_class.__module__.startswith("transformers"):
+        return {}
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}  # a word per id: any id the batch holds
+    return {"processing_class": PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, "t0")),
+                                                        pad_token="t0", eos_token="t1")}
+
+
+
+def find_peer(module: str) -> bool:
+    """Whether a peer framework must come from .peers/ (`make peers`, which keeps it off the path of everything
+    else) rather than the environment; an AuditError saying how to install it when it is in neither. Imports
+    nothing and leaves sys.path as it is: a process that then loads a model keeps torchao out."""
+    import importlib.util
+
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is not None:
+        return False
+    if (PEERS_DIR / top).is_dir():
+        return True
+    raise AuditError(f"error: {top} is not installed: pip install 'gradscale[peers]' (in a clone: make peers)")
+
+
+def peer(module: str):
+    """The peer framework's module, imported (in a rank process, after its model is loaded)."""
+    import importlib
+    import sys
+
+    if find_peer(module) and str(PEERS_DIR) not in sys.path:
+        sys.path.append(str(PEERS_DIR))
+        importlib.invalidate_caches()
+    return importlib.import_module(module)
+
+
+PEERS_DIR = Path(__file__).resolve().parents[2] / ".peers"  # a clone's `make peers`; an installed package has none
+
+
+def hf_trainer(model, micro_batches, world: World) -> float | None:
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as out:
+        return _run_trainer(Trainer, model, micro_batches,
+                            _hf_training_arguments(TrainingArguments, world, out, average_tokens_across_devices=True))
+
+
+def hf_trainer_no_token_average(model, micro_batches, world: World) -> float | None:
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as out:
+        return _run_trainer(Trainer, model, micro_batches,
+                            _hf_training_arguments(TrainingArguments, world, out, average_tokens_across_devices=False))
+
+
+class _LogitsOnly(torch.nn.Module):
+    """The suite's model as torchtune's recipe calls it: model(**batch) -> logits, chunked for its loss."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return [self.model(input_ids=input_ids).logits]  # one chunk: CEWithChunkedOutputLoss(num_output_chunks=1)
+
+
+def torchtune(model, micro_batches, world: World) -> float | None:
+    """torchtune 0.6.1's full fine-tune distributed recipe: its own train() loop (loss times the micro-batch's
+    token count, all-reduced token count, scale_grads(world_size / num_tokens), clip_grad_norm_) on FSDP2 over
+    gloo. Built without its setup(), which would load torchtune's checkpoint, tokenizer and dataset: the model,
+    loss, optimizer and loader are set as setup() sets them, the model and batches the audit's."""
+    return _torchtune_recipe(model, micro_batches, world)
+
+
+def torchtune_pr2172(model, micro_batches, world: World) -> float | None:
+    """The zoo mutation of torchtune's step before PR 2172: scale_grads(1 / num_tokens), without the world size
+    that undoes FSDP2's average over ranks."""
+    training = peer("torchtune.training")
+    real = training.scale_grads
+    training.scale_grads = lambda net, factor: real(net, factor / world.size)  # the pre-fix factor
+    try:
+        return _torchtune_recipe(model, micro_batches, world)
+    finally:
+        training.scale_grads = real
+
+
+def _torchtune_recipe(model, micro_batches, world: World) -> float | None:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training = peer("torchtune.training")
+        from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    net = _LogitsOnly(model)
+    training.shard_model(net, [lambda name, m: isinstance(m, LlamaDecoderLayer)], cpu_offload=False,
+                         dp_mesh=init_device_mesh("cpu", (world.size,)))
+    logged: dict = {}
+
+    class KeepLogs:
+        def log_dict(self, payload, step):
+            logged.update(payload)
+
+    class Loader(list):
+        sampler = type("Sampler", (), {"set_epoch": lambda self, epoch: None})()
+
+        def state_dict(self):
+            return {}
+
+    recipe_class = _torchtune_recipe_module().FullFinetuneRecipeDistributed
+    recipe = recipe_class.__new__(recipe_class)
+    optimizer = KeepGradients(net.parameters())
+    loss = CEWithChunkedOutputLoss(num_output_chunks=1)
+    recipe.__dict__.update(
+        _model=net, _optimizer=optimizer, _optimizer_in_bwd=False, _loss_fn=loss, _lr_scheduler=None,
+        _dataloader=Loader(dict(mb) for mb in micro_batches), _gradient_accumulation_steps=world.accumulation,
+        _clip_grad_norm="inf",  # its documented way to log the norm without clipping
+        _device=torch.device("cpu"), _is_rank_zero=world.rank == 0, _log_every_n_steps=1,
+        _log_peak_memory_stats=False, _metric_logger=KeepLogs(), _steps_per_epoch=1, max_steps_per_epoch=1,
+        total_epochs=1, epochs_run=0, global_step=0, seed=0, world_size=world.size,
+        ignore_labels_cache=torch.full((64, 1), loss.ignore_index), activations_handling_ctx=contextlib.nullcontext(),
+        _profiler=training.DummyProfiler(), profiler_profile_memory=False, profiler_wait_steps=0,
+        profiler_warmup_steps=0, profiler_active_steps=0,
+        _checkpoint_client=type("NoCheckpoint", (), {"save_checkpoint": lambda self, **kwargs: None})())
+    cleanup = training.cleanup_before_training
+    training.cleanup_before_training = lambda: None  # it calls torch.cpu.empty_cache, which torch does not have
+    try:
+        recipe.train()
+    finally:
+        training.cleanup_before_training = cleanup
+    for p in net.parameters():
+        p.grad = optimizer.kept.get(p)
+    norm = logged.get("grad_norm")
+    return None if norm is None else float(norm)
+
+
+def _torchtune_recipe_module():
+    """recipes/full_finetune_distributed.py as torchtune installs it (its recipes/__init__.py refuses imports,
+    so the file is loaded by path, once)."""
+    import importlib.util
+    import sys
+    import warnings
+
+    name = "torchtune_full_finetune_distributed"
+    if name not in sys.modules:
+        folder = importlib.util.find_spec("recipes").submodule_search_locations[0]  # does not run __init__
+        spec = importlib.util.spec_from_file_location(name, f"{folder}/full_finetune_distributed.py")
+        module = importlib.util.module_from_spec(spec)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def trl_sft(model, micro_batches, world: World) -> float | None:
+    """TRL's SFTTrainer in fp32 (SFTConfig defaults to bf16), on batches tokenized already."""
+    peer("trl")
+    from trl import SFTConfig, SFTTrainer
+
+    with_mask = [{**mb, "attention_mask": torch.ones_like(mb["input_ids"])} for mb in micro_batches]  # TRL counts it
+    with tempfile.TemporaryDirectory() as out:
+        args = _hf_training_arguments(SFTConfig, world, out, bf16=False, dataset_kwargs={"skip_prepare_dataset": True})
+        return _run_trainer(SFTTrainer, model, with_mask, args)
+
+
+def gradscale_step(recipe_name: str):
+    """This suite's own gradient code for one recipe: every rank is handed the global batch (gathered here)
+    and takes its block, as the training loop does."""
+
+    def step(model, micro_batches, world: World) -> float:
+        import torch.distributed as dist
+
+        from gradscale import parallel, train
+        from gradscale.grads import GradPipeline
+
+        # gradscale's targets are already shifted: targets[t] is the token predicted at position t
+        local_inputs = torch.cat([mb["input_ids"][:, :-1] for mb in micro_batches])
+        local_targets = torch.cat([mb["labels"][:, 1:] for mb in micro_batches])
+        gathered = [[torch.empty_like(t) for _ in range(world.size)] for t in (local_inputs, local_targets)]
+        dist.all_gather(gathered[0], local_inputs)
+        dist.all_gather(gathered[1], local_targets)
+        ranks = parallel.Ranks(world_size=world.size, rank=world.rank, real=True)
+        net = parallel.wrap(model, ranks)
+        pipeline = GradPipeline(world.size, 1.0, recipe_name, None, world.accumulation)
+        _, num_tokens = train.accumulate_gradients(net, torch.cat(gathered[0]), torch.cat(gathered[1]), pipeline,
+                                                   ranks, world.accumulation, contextlib.nullcontext(),
+                                                   torch.device("cpu"))
+        norm, _ = pipeline.apply(list(model.parameters()), num_tokens, ranks)
+        return norm.item()
+
+    step.__name__ = f"gradscale_{recipe_name}"
+    return step
+
+
+def _gradscale_targets() -> dict[str, tuple[str, str]]:
+    from gradscale.recipes import RECIPES
+
+    return {("gradscale" if name == "global_tokens" else f"gradscale_{name}"):
+            (f"gradscale.audit.adapters:gradscale_{name}", f"gradscale's own loop, normalization={name}: {r.summary}")
+            for name, r in RECIPES.items()}
+
+
+def __getattr__(name: str):
+    """gradscale_RECIPE for each recipe (module-level names, so that ranks can import them by name)."""
+    from gradscale.recipes import RECIPES
+
+    if name.startswith("gradscale_") and name.removeprefix("gradscale_") in RECIPES:
+        return gradscale_step(name.removeprefix("gradscale_"))
+    raise AttributeError(name)
+
+
+REQUIRES = {"trl_sft": "trl", "torchtune": "torchtune", "torchtune_pr2172": "torchtune"}  # the peer each needs
+
+ADAPTERS: dict[str, tuple[str, str]] = {
+    "hf_trainer": ("gradscale.audit.adapters:hf_trainer",
+                   "transformers.Trainer, average_tokens_across_devices=True (the default), "
+                   "gradient_accumulation_steps=K"),
+    "hf_trainer_no_token_average": ("gradscale.audit.adapters:hf_trainer_no_token_average",
+                                    "transformers.Trainer with average_tokens_across_devices=False"),
+    "trl_sft": ("gradscale.audit.adapters:trl_sft", "TRL 1.16.0's SFTTrainer in fp32, gradient_accumulation_steps=K"),
+    "torchtune": ("gradscale.audit.adapters:torchtune",
+                  "torchtune 0.6.1 full_finetune_distributed's train() on FSDP2 (its fixed scaling)"),
+    "torchtune_pr2172": ("gradscale.audit.adapters:torchtune_pr2172",
+                         "zoo: that step with its factor before PR 2172 (1 / num_tokens: gradients 1/N)"),
+    **_gradscale_targets(),
+}

@@ -1,0 +1,26 @@
+"""What a step is handed (the docs' contract, gradscale/audit/__init__.py) and the audit's error: the leaf the
+audit, its adapters and its zoo import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100  # transformers' label for an untrained position
+
+
+class AuditError(RuntimeError):
+    """Bad input to the audit: the message is one line, says what is wrong and what is allowed."""
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int  # N: ranks
+    accumulation: int  # K: micro-batches per rank and step
+
+
+def trained_tokens(labels: torch.Tensor) -> int:
+    """Trained tokens of a micro-batch's (unshifted) labels: position t predicts labels[t + 1]."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())

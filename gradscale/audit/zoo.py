@@ -1,0 +1,217 @@
+"""The bug zoo: steps with the gradient-scaling bugs that shipped in public frameworks, each beside its fix.
+
+Each entry is a plain data-parallel step (DistributedDataParallel on gloo, or an explicit all-reduce where the
+engine's own reduction is the bug) with the one line the incident got wrong. The audit must flag every bug
+with the multiplier or residual its mechanism predicts (`expected_c`, where the mechanism is a multiplier) and
+pass every fix: the audit's own mutation self-test (tests/test_audit.py). docs/audit.md has the table.
+
+Mean-based entries guard an empty micro-batch with max(count, 1), as most loops do; unguarded, a mean over zero
+trained tokens is NaN, which the audit reports as such.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from gradscale.audit.contract import IGNORE_INDEX, World, trained_tokens
+
+PARALLEL_DEGREE = 2  # the tensor- / context-parallel size the over-counting entries assume
+
+
+# ---------------------------------------------------------------------------------------------
+# The pieces every step shares
+
+
+def token_loss_sum(model, micro_batch) -> torch.Tensor:
+    """Summed cross-entropy over the micro-batch's trained tokens (transformers' shift: position t predicts
+    labels[t + 1])."""
+    logits = model(input_ids=micro_batch["input_ids"]).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                             micro_batch["labels"][:, 1:].flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def sum_over_ranks(value: float) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def grad_norm(model) -> float:
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]).item()
+
+
+def accumulate(net: DistributedDataParallel, micro_batches, loss_of: Callable[[int, dict], torch.Tensor]) -> None:
+    """Backward of loss_of(k, micro-batch) for each micro-batch; DDP reduces (averages over ranks) after the
+    last one only."""
+    for k, mb in enumerate(micro_batches):
+        last = k == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else net.no_sync():
+            loss_of(k, mb).backward()
+
+
+def global_tokens(micro_batches) -> float:
+    return sum_over_ranks(sum(trained_tokens(mb["labels"]) for mb in micro_batches))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixes
+
+
+def global_token_mean(model, micro_batches, world: World) -> float:
+    """The fix: every micro-batch's summed token loss over the global trained-token count, times N because
+    DDP averages over ranks (torchtune's scale_grads(world_size / num_tokens), torchtitan PR 2323)."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) * world.size / tokens)
+    return grad_norm(model)
+
+
+def shard_norms_summed(model, micro_batches, world: World) -> float:
+    """The fix for logging a shard's norm (torchtune PR 2248): each rank's squared shard norm, summed over
+    ranks."""
+    global_token_mean(model, micro_batches, world)
+    return sum_over_ranks(sum(_shard(p.grad, world).pow(2).sum().item() for p in model.parameters())) ** 0.5
+
+
+def expert_grads_divided(model, micro_batches, world: World) -> float:
+    """An explicit reduction: SUM over ranks, then divide every gradient by N (the expert ones included)."""
+    _summed_over_ranks_then_divided(model, micro_batches, world, divide_experts=True)
+    return grad_norm(model)
+
+
+def engine_divides_by_accumulation(model, micro_batches, world: World) -> float:
+    """An engine that scales each micro-batch's loss by 1/K (DeepSpeed's scale_wrt_gas): the loss it is
+    given is the micro-batch's share as if it were the whole step."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+    accumulate(net, micro_batches,
+               lambda k, mb: token_loss_sum(net, mb) * world.size * world.accumulation / tokens / world.accumulation)
+    return grad_norm(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bugs
+
+
+def ddp_mean_then_global_tokens(model, micro_batches, world: World) -> float:
+    """DDP averages over ranks, and the loss is already divided by the global count: 1/N."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) / tokens)  # the bug: no * world.size
+    return grad_norm(model)
+
+
+def local_shard_norm(model, micro_batches, world: World) -> float:
+    """The gradient is right; the logged norm is this rank's shard's (FSDP's flat 1/N slice of each tensor)."""
+    global_token_mean(model, micro_batches, world)
+    return sum(_shard(p.grad, world).pow(2).sum().item() for p in model.parameters()) ** 0.5  # the bug: no sum
+
+
+def per_microbatch_mean(model, micro_batches, world: World) -> float:
+    """Each micro-batch's own token mean, averaged over micro-batches (and by DDP over ranks)."""
+    net = DistributedDataParallel(model)
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) / max(trained_tokens(mb["labels"]), 1)
+               / len(micro_batches))
+    return grad_norm(model)
+
+
+def per_rank_mean(model, micro_batches, world: World) -> float:
+    """Tokens counted over the rank's own micro-batches, the ranks' means averaged by DDP."""
+    net = DistributedDataParallel(model)
+    local = max(sum(trained_tokens(mb["labels"]) for mb in micro_batches), 1)  # the bug: not summed over ranks
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) / local)
+    return grad_norm(model)
+
+
+def parallel_degree_overcount(model, micro_batches, world: World) -> float:
+    """The loss scaled as if the model-parallel ranks that share a batch were data-parallel ones: times the
+    tensor- or context-parallel size."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) * world.size * PARALLEL_DEGREE / tokens)
+    return grad_norm(model)
+
+
+def expert_grads_summed(model, micro_batches, world: World) -> float:
+    """SUM over ranks, then divide by N, except the expert (here: MLP) gradients: too large by N."""
+    _summed_over_ranks_then_divided(model, micro_batches, world, divide_experts=False)
+    return grad_norm(model)
+
+
+def summed_accumulation(model, micro_batches, world: World) -> float:
+    """The engine's 1/K is skipped (pipeline parallel with accumulation): micro-batch gradients summed, K x."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) * world.size * world.accumulation / tokens)
+    return grad_norm(model)
+
+
+def _shard(grad: torch.Tensor, world: World) -> torch.Tensor:
+    return grad.flatten().tensor_split(world.size)[world.rank]  # N parts, some empty when a tensor is small
+
+
+def _summed_over_ranks_then_divided(model, micro_batches, world: World, divide_experts: bool) -> None:
+    tokens = global_tokens(micro_batches)
+    for mb in micro_batches:
+        (token_loss_sum(model, mb) * world.size / tokens).backward()
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        if divide_experts or "mlp" not in name:
+            p.grad /= world.size
+
+
+# ---------------------------------------------------------------------------------------------
+# The zoo
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str  # the buggy step, a function of this module
+    fixed: str  # its fixed counterpart, a function of this module
+    incidents: str  # where it shipped
+    summary: str
+    # the multiplier the audit must find, as a function of (N, K); None: not a uniform multiplier
+    expected_c: Callable[[int, int], float] | None = None
+    # the groups whose multiplier differs from the rest's: group -> c(N, K)
+    expected_group_c: dict[str, Callable[[int, int], float]] | None = None
+    # where the bug shows at all: (N, K) -> bool
+    shows: Callable[[int, int], bool] = lambda n, k: True
+
+
+ZOO = (
+    Entry("ddp_mean_then_global_tokens", "global_token_mean",
+          "torchtune PR 2172; torchtitan issue 2318 (PR 2323)",
+          "DDP averages over ranks and the loss is divided by the global token count: gradients 1/N",
+          expected_c=lambda n, k: 1 / n, shows=lambda n, k: n > 1),
+    Entry("local_shard_norm", "shard_norms_summed",
+          "torchtune issue 2240 (PR 2248); LLaMA-Factory PR 10640",
+          "the logged grad norm is one rank's shard's, not the whole gradient's",
+          expected_c=lambda n, k: 1.0, shows=lambda n, k: n > 1),
+    Entry("per_microbatch_mean", "global_token_mean",
+          "transformers PR 34191; TRL issue 2175",
+          "each micro-batch's own token mean, averaged: tokens of sparse micro-batches weigh more",
+          shows=lambda n, k: n * k > 1),
+    Entry("per_rank_mean", "global_token_mean",
+          "transformers PR 39395 (average_tokens_across_devices off); TRL PR 3538",
+          "each rank's own token mean, averaged over ranks: tokens of sparse ranks weigh more",
+          shows=lambda n, k: n > 1),
+    Entry("parallel_degree_overcount", "global_token_mean",
+          "transformers PR 45994 (loss x tp_size); Megatron-LM issue 906 (loss x cp_size)",
+          f"the loss counts model-parallel ranks as data-parallel ones: gradients x{PARALLEL_DEGREE}",
+          expected_c=lambda n, k: float(PARALLEL_DEGREE)),
+    Entry("expert_grads_summed", "expert_grads_divided",
+          "pytorch issue 160285; pytorch PR 167178",
+          "expert gradients summed over ranks where the rest are averaged: the expert group x N",
+          expected_group_c={"MLP": lambda n, k: float(n)}, shows=lambda n, k: n > 1),
+    Entry("summed_accumulation", "engine_divides_by_accumulation",
+          "DeepSpeed issue 7773",
+          "micro-batch gradients summed where the engine should average them: gradients x K",
+          expected_c=lambda n, k: float(k), shows=lambda n, k: k > 1),
+)
