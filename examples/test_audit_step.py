@@ -6,7 +6,7 @@ import pytest
 
 @pytest.mark.distributed
 def test_the_fixed_step_hands_its_optimizer_the_right_gradient(gradient_audit):
-    gradient_audit("examples.audit_step:fixed_step")
+    gradient_audit("examples.audit_step:fixed_step", world_sizes=(1, 2))  # default: N = 1, 2, 4
 
 
 @pytest.mark.distributed

@@ -88,8 +88,6 @@ def test_the_wheel_works_from_outside_the_clone(wheel_env, tmp_path):
     fixed = run_outside(wheel_env, "gradscale-audit", "my_training:fixed_step", "--world-sizes", "1,2", cwd=outside)
     assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
     assert "every configuration gives the global token-mean gradient" in fixed.stdout
-    buggy = run_outside(wheel_env, "gradscale-audit", "my_training:step", "--world-sizes", "1", cwd=outside)
-    assert buggy.returncode == 1 and "N=1 K=4: gradient x0.25" in buggy.stdout, buggy.stdout[-2000:]
 
     advice = run_outside(wheel_env, "gradscale-advise", "model.init=random", "batch_size=8", "seq_len=64",
                          f"hydra.run.dir={outside / 'advice'}", "--gradient-only", "--world-sizes", "8,64",

@@ -1,0 +1,60 @@
+"""The audit's global batch, ragged on purpose, and who gets which sequence at each layout (N ranks,
+K micro-batches)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gradscale.audit.contract import IGNORE_INDEX, trained_tokens
+
+SEQ_LEN = 24
+MIN_SEQUENCES = 8
+
+
+def global_batch(vocab_size: int, sequences: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and labels, [sequences, SEQ_LEN]: the first half trained over the last t positions, t from
+    SEQ_LEN - 1 down to 1 (ragged), the second half with no trained token (a prompt cut off before its answer)."""
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (sequences, SEQ_LEN), generator=gen)
+    half = sequences // 2
+    top = SEQ_LEN - 1
+    counts = [1 + round((top - 1) * ((half - 1 - i) / max(half - 1, 1)) ** 2) for i in range(half)] + [0] * half
+    trained = torch.arange(SEQ_LEN)[None, :] >= SEQ_LEN - torch.tensor(counts)[:, None]
+    return input_ids, torch.where(trained, input_ids, IGNORE_INDEX)
+
+
+def layout(counts: Sequence[int], world_size: int, accumulation: int) -> list[list[list[int]]]:
+    """Sequence indices per rank per micro-batch. Where N or K > 1 the last rank's last micro-batch holds only
+    sequences with no trained token (at K = 1: the whole last rank); the trained sequences go round the other
+    micro-batches, largest first, rank by rank, so ranks and micro-batches differ in trained tokens."""
+    slots = world_size * accumulation
+    per_slot = len(counts) // slots
+    empty = [i for i, n in enumerate(counts) if n == 0]
+    trained = sorted((i for i, n in enumerate(counts) if n > 0), key=lambda i: -counts[i])
+    held: dict[tuple[int, int], list[int]] = {(r, k): [] for r in range(world_size) for k in range(accumulation)}
+    reserved = (world_size - 1, accumulation - 1) if slots > 1 else None
+    if reserved:
+        held[reserved] = [empty.pop() for _ in range(per_slot)]
+    open_slots = [(r, k) for k in range(accumulation) for r in range(world_size) if (r, k) != reserved]
+    turn = 0
+    for i in trained:
+        while len(held[open_slots[turn % len(open_slots)]]) == per_slot:
+            turn += 1
+        held[open_slots[turn % len(open_slots)]].append(i)
+        turn += 1
+    for slot in open_slots:
+        while len(held[slot]) < per_slot:
+            held[slot].append(empty.pop())
+    return [[sorted(held[(r, k)]) for k in range(accumulation)] for r in range(world_size)]
+
+
+def batch_size_for(world_sizes: Sequence[int], accumulations: Sequence[int]) -> int:
+    """Sequences in the global batch: at least one per micro-batch of the finest layout (sizes are powers of
+    two, so it divides into every layout) and at least MIN_SEQUENCES."""
+    return max(MIN_SEQUENCES, max(world_sizes) * max(accumulations))
+
+
+def counts_of(labels: torch.Tensor) -> list[int]:
+    return [trained_tokens(row) for row in labels]
