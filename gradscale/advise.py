@@ -86,12 +86,12 @@ def preflight(overrides: list[str], gradient_only: bool):
 
 def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
     """The step-0 gradient of one batch at c = 1, through the loop's own gradient code, as the histogram
-    records the advisor reads (gradscale.optim.gradient_records), in run_dir; no optimizer step."""
+    records the advisor reads (gradscale.optimizer_stats.gradient_records), in run_dir; no optimizer step."""
     import torch
     from omegaconf import OmegaConf
 
     from gradscale.job import build_job
-    from gradscale.optim import gradient_records
+    from gradscale.optimizer_stats import gradient_records
     from gradscale.pretrain import prepare_weights
     from gradscale.train import accumulate_gradients
 

@@ -22,7 +22,7 @@ from gradscale.grads import (
     total_norm,
 )
 from gradscale.metrics import RunLog
-from gradscale.optim import adam_state_stats, sqrt_v_quantiles
+from gradscale.optimizer_stats import adam_state_stats, sqrt_v_quantiles
 from gradscale.parallel import Ranks, local
 from gradscale.records import (
     CLIP_COEF,

@@ -15,7 +15,7 @@ import torch
 
 from gradscale.analysis import advise, theory
 from gradscale.analysis.load import load, read_jsonl
-from gradscale.optim import sqrt_v_histograms, sqrt_v_quantiles
+from gradscale.optimizer_stats import sqrt_v_histograms, sqrt_v_quantiles
 from gradscale.records import HIST_BINS
 from tests.conftest import OFFLINE_ENV, ROOT, TINY
 

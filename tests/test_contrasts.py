@@ -9,11 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from gradscale import model, optim
+from gradscale import model
 from gradscale.checks import ConfigError
 from gradscale.config import validate
 from gradscale.hydra_glue import to_object
 from gradscale.job import build_batches, build_job
+from gradscale.optimizers._adam_atan2 import AdamAtan2
+from gradscale.optimizers._lion import Lion
 from gradscale.train import LoopConfig, train
 from tests.conftest import compose
 
@@ -80,8 +82,8 @@ def test_contrast_update_rules_match_their_definitions():
     moments of one gradient are g and g^2); Lion's is lr*sign(g); decoupled weight decay first."""
     g = torch.tensor([3.0, -2e-9, 0.0])
     for opt_cls, kwargs, update in [
-        (optim.AdamAtan2, dict(a=1.5, b=2.0), 1.5 * torch.atan2(g, 2.0 * g.abs())),
-        (optim.Lion, {}, torch.sign(g)),
+        (AdamAtan2, dict(a=1.5, b=2.0), 1.5 * torch.atan2(g, 2.0 * g.abs())),
+        (Lion, {}, torch.sign(g)),
     ]:
         weight = torch.nn.Parameter(torch.ones(3))
         optimizer = opt_cls([weight], lr=0.1, weight_decay=0.5, **kwargs)

@@ -1,6 +1,6 @@
-"""The hand-written Lion and Adam-atan2 (gradscale/optim.py) against their PyPI packages, lion-pytorch and
-adam-atan2-pytorch: the same lr, betas, weight decay (and a, b) give the same parameters and moments over 20 steps
-of random gradients, on tensors of several shapes in two parameter groups (docs/optimizers.md).
+"""The hand-written Lion and Adam-atan2 (gradscale/optimizers/_lion.py, _adam_atan2.py) against their PyPI packages,
+lion-pytorch and adam-atan2-pytorch: the same lr, betas, weight decay (and a, b) give the same parameters and moments
+over 20 steps of random gradients, on tensors of several shapes in two parameter groups (docs/optimizers.md).
 
 Both libraries define weight decay as ours does, theta *= 1 - lr*wd before the update, when their
 decoupled flag is off (their default); with it on they divide wd by the initial lr, so wd' = lr*wd maps onto
@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from gradscale.optim import AdamAtan2, Lion
+from gradscale.optimizers._adam_atan2 import AdamAtan2
+from gradscale.optimizers._lion import Lion
 
 lion_pytorch = pytest.importorskip("lion_pytorch")
 adam_atan2_pytorch = pytest.importorskip("adam_atan2_pytorch")

@@ -28,7 +28,7 @@ def test_each_entry_composes_validates_and_trains(name, cache_dir, tmp_path):
     eps (what the adam/* metrics, the histograms and the advisor read)."""
     from gradscale.config import validate
     from gradscale.job import build_job
-    from gradscale.optim import adam_moments
+    from gradscale.optimizer_stats import adam_moments
     from gradscale.train import LoopConfig, train
 
     entry = OPTIMIZERS[name]

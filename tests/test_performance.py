@@ -152,7 +152,7 @@ def test_freed_memory_is_kept_unless_the_user_set_glibc_malloc():
 
 @pytest.mark.parametrize("n", [1, 2, 7, 4097, 131072])
 def test_cpu_quantiles_are_torch_quantiles(n):
-    from gradscale.optim import QUANTILES, quantiles
+    from gradscale.optimizer_stats import QUANTILES, quantiles
 
     values = torch.rand(n, generator=torch.Generator().manual_seed(n)).square()  # skewed, like sqrt(v_hat)
     values[: n // 3] = values[0]  # ties

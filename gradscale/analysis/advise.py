@@ -4,7 +4,7 @@ to AdamW's update, before anyone runs at c.
     python -m gradscale.analysis.advise RUN_DIR [--world-sizes 8,64,1024] [--scales 1e-4,1e-5] [--eps 1e-8] [--json F]
 
 Per coordinate, AdamW's update at multiplier c is m_hat / (s + eps / c), s = sqrt(v_hat) at c = 1: it
-shrinks by r = (s + eps) / (s + eps / c) against c = 1. The run's records (gradscale.optim.sqrt_v_histograms)
+shrinks by r = (s + eps) / (s + eps / c) against c = 1. The run's records (gradscale.optimizer_stats.sqrt_v_histograms)
 hold, per tensor and bin of s, the coordinate count and the energy E_b of the unscaled update at c = 1, so
 
     update_rms_ratio(c)^2 = sum_b E_b r(s_b, c)^2 / sum_b E_b

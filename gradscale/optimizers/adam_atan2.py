@@ -25,7 +25,7 @@ class AdamAtan2Config(OptimizerConfig):
 
 
 def build(cfg: AdamAtan2Config, named_params):
-    from gradscale.optim import AdamAtan2
+    from gradscale.optimizers._adam_atan2 import AdamAtan2
 
     return AdamAtan2(parameters(named_params), lr=cfg.lr, betas=cfg.betas, a=cfg.a, b=cfg.b,
                      weight_decay=cfg.weight_decay)

@@ -20,7 +20,7 @@ class LionConfig(OptimizerConfig):
 
 
 def build(cfg: LionConfig, named_params):
-    from gradscale.optim import Lion
+    from gradscale.optimizers._lion import Lion
 
     return Lion(parameters(named_params), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
