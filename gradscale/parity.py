@@ -85,10 +85,18 @@ def reference_gradient(model, inputs, targets) -> torch.Tensor:
 
 
 def expectation(case: str, recipe: str, world_size: int) -> tuple[str, Callable[[float, float, float], bool]]:
-    if recipe == "global_tokens" or (recipe in ("local_mean", "per_microbatch_mean") and case == "equal"):
+    """What the recipe's gradient should be, read from its registry entry: a recipe that divides by the global
+    token count gives c_eff times the reference whatever the counts; one that takes a token mean before backward
+    (mean_over) gives the reference only where every count it divides by is equal."""
+    rule = RECIPES[recipe]
+    if rule.divide_by_tokens:
+        c = rule.c_eff(1.0, world_size)
+        if c == 1:
+            return "matches", lambda err, ratio, cos: err < TOLERANCE
+        label = f"= ref/{1 / c:g}" if c < 1 else f"= ref*{c:g}"
+        return label, lambda err, ratio, cos: abs(ratio / c - 1) < TOLERANCE and cos > 1 - 1e-6
+    if case == "equal":
         return "matches", lambda err, ratio, cos: err < TOLERANCE
-    if recipe == "global_tokens_no_world_fix":
-        return f"= ref/{world_size}", lambda err, ratio, cos: abs(ratio * world_size - 1) < TOLERANCE and cos > 1 - 1e-6
     if case == "zero_rank":  # the empty rank adds 0 to the average over N: the others' mean, times (N-1)/N
         share = (world_size - 1) / world_size
         return f"= ref*{world_size - 1}/{world_size}", lambda err, ratio, cos: abs(ratio / share - 1) < TOLERANCE and (

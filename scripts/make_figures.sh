@@ -10,7 +10,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 export WANDB_MODE=disabled OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-studies=${*:-world_size_fix scale_sweep eps_vs_scale lr_vs_scale clipping precision width_scaling smollm2_world_size_fix smollm2_breakdown}
+# every preset, less the long studies that sweep into studies/ (their figures come from their kept runs)
+presets=$(cd gradscale/conf/experiment && grep -L "hydra.sweep.dir=studies/" -- *.yaml | sed 's/\.yaml$//' | tr '\n' ' ')
+studies=${*:-$presets}
 # the user's command as `make sweep` runs it (README's first screen quotes its report; tests/test_cli.py checks it)
 if [ -z "${*:-}" ]; then
   rm -rf multirun/figures/default_sweep

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -301,18 +302,33 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-REQUIRES = {"trl_sft": "trl", "torchtune": "torchtune", "torchtune_pr2172": "torchtune"}  # the peer each needs
+@dataclass(frozen=True)
+class Adapter:
+    """A built-in target around a framework's own step: where it is, a line for the target list, and the peer
+    framework it needs from .peers/ or the environment (None: transformers and torch only)."""
 
-ADAPTERS: dict[str, tuple[str, str]] = {
-    "hf_trainer": ("gradscale.audit.adapters:hf_trainer",
-                   "transformers.Trainer, average_tokens_across_devices=True (the default), "
-                   "gradient_accumulation_steps=K"),
-    "hf_trainer_no_token_average": ("gradscale.audit.adapters:hf_trainer_no_token_average",
-                                    "transformers.Trainer with average_tokens_across_devices=False"),
-    "trl_sft": ("gradscale.audit.adapters:trl_sft", "TRL 1.16.0's SFTTrainer in fp32, gradient_accumulation_steps=K"),
-    "torchtune": ("gradscale.audit.adapters:torchtune",
-                  "torchtune 0.6.1 full_finetune_distributed's train() on FSDP2 (its fixed scaling)"),
-    "torchtune_pr2172": ("gradscale.audit.adapters:torchtune_pr2172",
-                         "zoo: that step with its factor before PR 2172 (1 / num_tokens: gradients 1/N)"),
-    **_gradscale_targets(),
+    target: str  # module:function
+    summary: str
+    requires: str | None = None
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "hf_trainer": Adapter("gradscale.audit.adapters:hf_trainer",
+                          "transformers.Trainer, average_tokens_across_devices=True (the default), "
+                          "gradient_accumulation_steps=K"),
+    "hf_trainer_no_token_average": Adapter("gradscale.audit.adapters:hf_trainer_no_token_average",
+                                           "transformers.Trainer with average_tokens_across_devices=False"),
+    "trl_sft": Adapter("gradscale.audit.adapters:trl_sft",
+                       "TRL 1.16.0's SFTTrainer in fp32, gradient_accumulation_steps=K", requires="trl"),
+    "torchtune": Adapter("gradscale.audit.adapters:torchtune",
+                         "torchtune 0.6.1 full_finetune_distributed's train() on FSDP2 (its fixed scaling)",
+                         requires="torchtune"),
+    "torchtune_pr2172": Adapter("gradscale.audit.adapters:torchtune_pr2172",
+                                "zoo: that step with its factor before PR 2172 (1 / num_tokens: gradients 1/N)",
+                                requires="torchtune"),
 }
+
+
+def all_adapters() -> dict[str, Adapter]:
+    """The framework adapters, then gradscale's own loop under each recipe of the registry (read when asked)."""
+    return {**ADAPTERS, **{name: Adapter(target, summary) for name, (target, summary) in _gradscale_targets().items()}}

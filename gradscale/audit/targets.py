@@ -19,16 +19,16 @@ def builtin_targets() -> dict[str, tuple[str, str]]:
     bugs = {e.name: (f"gradscale.audit.zoo:{e.name}", f"zoo: {e.summary}") for e in zoo.ZOO}
     fixed = {fix: (f"gradscale.audit.zoo:{fix}", f"zoo, the fix of: {', '.join(names)}")
              for fix, names in fixes.items()}
-    return {**adapters.ADAPTERS, **bugs, **fixed}
+    return {**{name: (a.target, a.summary) for name, a in adapters.all_adapters().items()}, **bugs, **fixed}
 
 
 def resolve_target(spec: str) -> Callable:
     """A built-in target's name or `module:function`, as the callable step (AuditError, one line, if not)."""
-    from gradscale.audit.adapters import REQUIRES, find_peer
+    from gradscale.audit.adapters import ADAPTERS, find_peer
 
     builtins = builtin_targets()
-    if spec in REQUIRES:
-        find_peer(REQUIRES[spec])
+    if spec in ADAPTERS and ADAPTERS[spec].requires:
+        find_peer(ADAPTERS[spec].requires)
     path = builtins[spec][0] if spec in builtins else spec
     if ":" not in path:
         raise AuditError(f"error: target {spec!r} is neither a built-in target ({', '.join(sorted(builtins))}) "
