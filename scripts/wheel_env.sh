@@ -13,6 +13,7 @@ stamp="$venv/.installed-$(sha256sum pyproject.toml | cut -c1-12)"
 rm -rf "$dist"
 mkdir -p "$dist"
 "$py" -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir "$dist" . 2>&1 | { grep -v "^WARNING: Location" || true; }
+rm -rf build  # setuptools' staging folder in the clone
 wheel=$(ls "$dist"/gradscale-*.whl)
 if [ ! -f "$stamp" ]; then
   echo "wheel env: building $venv (the CPU torch wheel, then $(basename "$wheel") and its dependencies; about a minute, once)"
