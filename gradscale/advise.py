@@ -95,8 +95,7 @@ def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
     from gradscale.pretrain import prepare_weights
     from gradscale.train import accumulate_gradients
 
-    prepare_weights(run_cfg.model)
-    job = build_job(run_cfg)
+    job = build_job(run_cfg, source=prepare_weights(run_cfg.model))
     inputs, targets = job.batches.train_batch(0)
     params = [p for p in job.model.parameters() if p.requires_grad]
     _, num_tokens = accumulate_gradients(job.model, inputs, targets, job.pipeline, job.ranks, run_cfg.grad_accum,

