@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from gradscale.advice import AdviseError, check_options
 from gradscale.checks import CommandParser, ConfigError, override_key
 from gradscale.optimizers import advisable
 from gradscale.records import GRAD_NORM
@@ -32,10 +33,6 @@ from gradscale.records import GRAD_NORM
 DEFAULT_STEPS = 20
 # what makes the run the advisor's reference: c = 1, records on every step
 FIXED_KEYS = {"scale": "1", "fix": "true"}
-
-
-class AdviseError(Exception):
-    """Bad input: one line, exit 2, before anything runs."""
 
 
 def reference_overrides(overrides: list[str]) -> tuple[list[str], Path]:
@@ -125,13 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eps", type=float, help="predict for this eps (default: the run's optimizer.eps)")
     parser.add_argument("--json", type=Path, help="also write every step's predictions to this file")
     args = parser.parse_intermixed_args(argv)  # overrides before and after the flags
-    from gradscale.analysis import advise
-
     try:
         overrides, run_dir = reference_overrides(args.overrides)
-        advise.check_options(args.world_sizes, args.scales, args.eps, args.json, None)  # before the run, not after
+        check_options(args.world_sizes, args.scales, args.eps, args.json, None)  # before the run, not after
         cfg, run_cfg = preflight(overrides, args.gradient_only)
-    except (AdviseError, advise.AdviseError, ConfigError) as e:
+    except (AdviseError, ConfigError) as e:
         print(e, file=sys.stderr)
         return 2
     if args.gradient_only:
@@ -149,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     options = [f"--{name.replace('_', '-')}={value}" for name, value in
                (("world_sizes", args.world_sizes), ("scales", args.scales), ("eps", args.eps), ("json", args.json))
                if value is not None]
-    return advise.main([str(run_dir), *options])
+    # the prediction is the reading side's (gradscale.analysis.advise), in a process of its own: the training
+    # side never imports it
+    return subprocess.run([sys.executable, "-m", "gradscale.analysis.advise", str(run_dir), *options]).returncode
 
 
 if __name__ == "__main__":

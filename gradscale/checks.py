@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hydra.errors import CompactHydraException
 
-
-class ConfigError(CompactHydraException):
-    """A bad config value. Hydra prints only the message (one line) and exits non-zero."""
+class ConfigError(Exception):
+    """A bad value: one line. Every command catches it, prints the line and exits 2 (the sweeper, the run's
+    callback and the commands that compose in Python), so it needs nothing of Hydra: the reading side imports
+    this module too."""
 
 
 def check(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -14,10 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from gradscale.data import IGNORE_INDEX
-from gradscale.records import eval_loss_of, eval_tokens_of, output_update_rms_of
-
-BUCKET_EDGES = (1, 10, 100)  # trained-target count in the training split: 0 | 1-9 | 10-99 | 100 or more
-BUCKETS = ("unseen", "rare", "middle", "frequent")
+from gradscale.records import BUCKET_EDGES, BUCKETS, eval_loss_of, eval_tokens_of, output_update_rms_of
 
 
 @dataclass

@@ -88,7 +88,7 @@ def quantiles(values: torch.Tensor, qs: tuple[float, ...]) -> list[float]:
 @torch.no_grad()
 def sqrt_v_quantiles(optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str], step: int,
                      ranks: Ranks | None = None) -> list[dict]:
-    """Per-tensor quantiles of sqrt(v_hat) (the measured s in the theory's c* = eps / s, gradscale.analysis.theory; from
+    """Per-tensor quantiles of sqrt(v_hat) (the measured s in the theory's c* = eps / s, gradscale.theory; from
     this rank's shard under FSDP2) and its histogram (sqrt_v_histograms, all shards: every rank must call
     this), as adam_stats.jsonl records; the histogram's empty bins are left out."""
     histograms = sqrt_v_histograms(optimizer, ranks).cpu()

@@ -33,7 +33,7 @@ import torch
 from gradscale.checks import CommandParser
 from gradscale.data import IGNORE_INDEX
 from gradscale.recipes import RECIPES
-from gradscale.sweep import render_table
+from gradscale.runs import render_table
 
 CASES = ("equal", "ragged", "zero_rank")
 SEQ_LEN = 32

@@ -22,6 +22,11 @@ EPS_DOMINATED = "adam/eps_dominated_frac"  # share of coordinates with sqrt(v_ha
 EVAL_LOSS = "eval/loss"  # held-out token-mean loss
 
 
+# the token-frequency buckets of the held-out loss and the output-row updates (gradscale/frequency.py)
+BUCKET_EDGES = (1, 10, 100)  # trained-target count in the training split: 0 | 1-9 | 10-99 | 100 or more
+BUCKETS = ("unseen", "rare", "middle", "frequent")
+
+
 def eval_loss_of(bucket: str) -> str:
     """Held-out loss of the targets in a token-frequency bucket (gradscale/frequency.py)."""
     return f"eval/loss_{bucket}"

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gradscale.checks import ConfigError, check_writable, override_key
 from gradscale.config import validate
 from gradscale.probes import check_environment
+from gradscale.runs import job_dirs, job_overrides, render_table
 
 
 class ValidateBeforeRun(Callback):
@@ -156,20 +157,8 @@ def _result_config(cfg: DictConfig) -> dict[str, Any]:
     return flat
 
 
-def job_overrides(job_dir: Path) -> list[str]:
-    """The job's command-line overrides, as Hydra saved them ([] when it has none saved)."""
-    overrides_file = job_dir / ".hydra" / "overrides.yaml"
-    return list(OmegaConf.to_container(OmegaConf.load(overrides_file))) if overrides_file.exists() else []
 
 
-def job_dirs(sweep_dir: Path) -> list[Path]:
-    """Job folders of a sweep in job order (their names start with Hydra's job number)."""
-
-    def job_number(d: Path) -> tuple[int, str]:
-        head = d.name.split("_")[0]
-        return (int(head) if head.isdigit() else 1 << 30, d.name)
-
-    return sorted((d for d in Path(sweep_dir).iterdir() if (d / ".hydra").is_dir()), key=job_number)
 
 
 def wandb_group(task: list[str], params: dict[str, Any], preset: str | None, sweep_dir: Path,
@@ -211,10 +200,3 @@ def format_sweep_table(rows: list[dict[str, Any]]) -> str:
         for r in rows
     ]
     return render_table(header, lines)
-
-
-def render_table(header: tuple[str, ...], lines: list[tuple]) -> str:
-    """Plain-text table: left-aligned columns, a rule under the header."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines)]
-    render = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in (header, *lines)]
-    return "\n".join([render[0], "  ".join("-" * w for w in widths), *render[1:]])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradscale.analysis import advise, theory
+from gradscale import theory
+from gradscale.analysis import advise
 from gradscale.analysis.load import load, read_jsonl
 from gradscale.optimizer_stats import sqrt_v_histograms, sqrt_v_quantiles
 from gradscale.records import HIST_BINS

@@ -12,10 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradscale.analysis import plots, theory
-from gradscale.analysis.load import curve, load, read_jsonl, run_names, setup_labels, short_number
+from gradscale import theory
+from gradscale.analysis import plots
+from gradscale.analysis.load import curve, load, read_jsonl, run_names, setup_labels
 from gradscale.analysis.tables import crossing_cell, equivalent_references, pair_references
 from gradscale.recipes import c_eff, normalization_in_effect
+from gradscale.runs import short_number
 from tests.conftest import TINY
 
 
@@ -437,7 +439,7 @@ def test_report_logs_one_offline_wandb_analysis_run(tiny_sweep, tmp_path, monkey
 
 
 def test_share_below_reads_the_distribution_off_the_quantiles():
-    from gradscale.analysis.theory import share_below
+    from gradscale.theory import share_below
 
     q = {"q01": 1e-9, "q10": 1e-8, "q50": 1e-6, "q90": 1e-4, "q99": 1e-3}
     assert share_below(q, 1e-8) == pytest.approx(0.10)
@@ -453,7 +455,7 @@ def test_share_below_reads_the_distribution_off_the_quantiles():
     ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", "attention"),
 ])
 def test_tensor_groups(name, group):
-    from gradscale.analysis.theory import tensor_group
+    from gradscale.theory import tensor_group
 
     assert tensor_group(name) == group
 

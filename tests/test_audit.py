@@ -51,7 +51,7 @@ def test_layout_deals_every_sequence_once_raggedly_with_one_empty_micro_batch(n,
 
 
 def made_up(reference: dict[str, torch.Tensor], **scale_by_group) -> dict[str, torch.Tensor]:
-    from gradscale.analysis.theory import tensor_group
+    from gradscale.theory import tensor_group
 
     return {n: g * scale_by_group.get(tensor_group(n).split()[0], 1.0) for n, g in reference.items()}
 
@@ -120,7 +120,7 @@ def test_compare_flags_ranks_that_disagree(reference):
 
 
 def test_meaning_gives_sgds_lr_factor_and_adams_threshold():
-    from gradscale.analysis.theory import update_ratio
+    from gradscale.theory import update_ratio
 
     text = meaning(0.125)
     assert "SGD: the lr is in effect x0.125" in text and "sqrt(v_hat) < 6.2e-07" in text

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from gradscale.sweep import job_dirs
+from gradscale.runs import job_dirs
 from tests.conftest import CONF, TINY, compose, read_metrics, run_in_process, train_records
 
 METRIC_KEYS = {
@@ -220,7 +220,7 @@ def progress_tags(output: str) -> list[str | None]:
 
 def old_style_name(job_dir, exclude_keys) -> str:
     """The folder name before folders left out the sweep's shared overrides: N_ and all of them."""
-    from gradscale.sweep import job_overrides
+    from gradscale.runs import job_overrides
 
     lines = sorted(o for o in job_overrides(job_dir) if o.lstrip("+~").split("=")[0] not in exclude_keys)
     return f"{job_dir.name.split('_')[0]}_{','.join(lines)}"
@@ -363,7 +363,7 @@ def test_the_readme_quotes_the_default_sweeps_committed_report():
     (scripts/make_figures.sh): every final loss in its table, and AdamW's deviations in its text."""
     import pandas as pd
 
-    from gradscale.analysis.load import short_number
+    from gradscale.runs import short_number
     from tests.conftest import ROOT
 
     readme = (ROOT / "README.md").read_text()

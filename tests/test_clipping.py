@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradscale.analysis import theory
+from gradscale import theory
 from tests.conftest import run_in_process, train_records
 
 N = 8  # the bug at world_size 8: c = 1/8

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gradscale.sweep import job_dirs
+from gradscale.runs import job_dirs
 from tests.conftest import TINY, read_metrics, train_records
 from tests.test_parallel import torchrun
 

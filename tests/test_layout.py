@@ -87,6 +87,32 @@ def test_the_loop_never_builds_and_finding_weights_never_trains():
     assert all(not graph[leaf] for leaf in leaves)
 
 
+def test_the_training_side_never_imports_the_reading_side():
+    """gradscale.analysis reads run folders; nothing that trains, audits or advises imports it (the advisor's
+    command runs its reading in a process of its own)."""
+    graph = import_graph()
+    reading = {m for m in graph if m.startswith("gradscale.analysis")}
+    assert "gradscale.analysis.report" in reading and "gradscale.advise" in graph
+    crossings = sorted(f"{m} -> {d}" for m in graph if m not in reading for d in graph[m] & reading)
+    assert crossings == []
+
+
+def test_the_reading_side_imports_neither_torch_nor_hydra():
+    """Every module of gradscale.analysis, imported together (python -X importtime lists what that loads): the
+    theory, the metric keys, the buckets, the registries and the run folders it reads come from torch-free,
+    Hydra-free modules both sides share."""
+    import subprocess
+    import sys
+
+    modules = sorted(m for m in import_graph() if m.startswith("gradscale.analysis") and ".notebooks." not in m)
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {', '.join(modules)}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "gradscale.analysis.report" in loaded and "pandas" in loaded  # the list is real
+    assert sorted(m for m in loaded if m.split(".")[0] in ("torch", "hydra")) == []
+
+
 METRIC_KEY = re.compile(r"^(train|eval|adam|perf)/\w*$")  # a key, not prose that starts with one
 
 

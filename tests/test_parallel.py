@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gradscale.analysis.load import read_jsonl
-from gradscale.sweep import job_dirs
+from gradscale.runs import job_dirs
 from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics, train_records
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gradscale.sweep import job_dirs
+from gradscale.runs import job_dirs
 from tests.conftest import OFFLINE_ENV, ROOT, TINY, read_metrics
 
 LONG = [*TINY, "steps=150", "checkpoint_every=20"]

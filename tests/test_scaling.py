@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradscale.analysis import advise, scaling, theory
+from gradscale import theory
+from gradscale.analysis import advise, scaling
 from gradscale.records import HIST_BINS, HIST_BINS_PER_DECADE, HIST_LOG10_MIN
 from tests.conftest import OFFLINE_ENV, ROOT
 

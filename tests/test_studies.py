@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from gradscale.config import validate
-from gradscale.sweep import job_dirs
+from gradscale.runs import job_dirs
 from tests.conftest import CONF, OFFLINE_ENV, ROOT, compose, read_metrics, train_records
 
 PRESETS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))

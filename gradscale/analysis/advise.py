@@ -26,9 +26,15 @@ import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
-from gradscale.analysis.load import curve, read_jsonl, short_number
+from gradscale.advice import BROKEN, DEFAULT_WORLD_SIZES, WITHIN, AdviseError, check_options
+from gradscale.analysis.load import curve, read_jsonl
 from gradscale.analysis.tables import pair_references
-from gradscale.analysis.theory import (
+from gradscale.checks import CommandParser, installed
+from gradscale.optimizers import advisable
+from gradscale.optimizers import entry as optimizer_entry
+from gradscale.records import GRAD_NORM, UPDATE_RMS
+from gradscale.runs import render_table, short_number
+from gradscale.theory import (
     Histogram,
     clipped_share,
     clipped_update_ratio,
@@ -38,20 +44,8 @@ from gradscale.analysis.theory import (
     tensor_group,
     update_rms_ratio,
 )
-from gradscale.checks import CommandParser, installed
-from gradscale.optimizers import advisable
-from gradscale.optimizers import entry as optimizer_entry
-from gradscale.records import GRAD_NORM, UPDATE_RMS
-from gradscale.sweep import render_table
 
-WITHIN = 0.99  # update-RMS ratio at or above: "within 1%"
-BROKEN = 0.90  # below: "broken"; in between: "noticeable"
-DEFAULT_WORLD_SIZES = tuple(2**k for k in range(1, 13))  # 2 .. 4096
 GROUPS = ("embeddings / output", "attention", "MLP", "norms", "other")
-class AdviseError(Exception):
-    """Bad input: one line for the user, exit 2."""
-
-
 def largest_safe_eps(h: Histogram, c: float, run_eps: float) -> float:
     """The largest eps at which the update at c stays within 1% of that at c = 1 (bisection in log eps)."""
     low, high = -30.0, 0.0
@@ -302,35 +296,6 @@ def plot_advice(advice: dict, labels_n: list[float], measured: list[tuple[float,
     ax.minorticks_off()
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig
-
-
-def _floats(text: str, key: str, integer: bool = False) -> list[float]:
-    try:
-        values = [int(v) if integer else float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise AdviseError(f"error: {key}={text!r} is not a comma-separated list of "
-                          f"{'integers' if integer else 'numbers'}") from None
-    if not values or not all(math.isfinite(v) and v > 0 for v in values) or (integer and min(values) < 1):
-        raise AdviseError(f"error: {key}={text!r}: every value must be {'an integer >= 1' if integer else '> 0'}")
-    return values
-
-
-def check_options(world_sizes: str | None, scales: str | None, eps: float | None, json_file: Path | None,
-                  figure: Path | None) -> tuple[list[float], list[str]]:
-    """The multipliers and their labels from the flags, every flag checked (AdviseError, one line): before
-    gradscale-advise starts its reference run, and before this command reads one."""
-    from gradscale.checks import output_file_problem
-
-    if eps is not None and not (math.isfinite(eps) and eps > 0):
-        raise AdviseError(f"error: --eps={eps!r} must be > 0")
-    for flag, path in (("--json", json_file), ("--figure", figure)):
-        if path is not None and (problem := output_file_problem(path)):
-            raise AdviseError(f"error: {flag}={str(path)!r} {problem}")
-    if scales:
-        values = _floats(scales, "--scales")
-        return values, [f"c={short_number(c)}" for c in values]
-    sizes = _floats(world_sizes or ",".join(map(str, DEFAULT_WORLD_SIZES)), "--world-sizes", integer=True)
-    return [1 / n for n in sizes], [f"N={n}" for n in sizes]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,9 @@ from omegaconf import OmegaConf
 
 from gradscale.analysis.load import logged_group, read_jsonl, run_dirs
 from gradscale.checks import CommandParser
-from gradscale.frequency import BUCKETS
 from gradscale.metrics import write_text_atomic
 from gradscale.records import (
+    BUCKETS,
     EPS_DOMINATED,
     EVAL_LOSS,
     GRAD_NORM,

@@ -12,13 +12,12 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
 from gradscale.optimizers import entry as optimizer_entry
 from gradscale.recipes import c_eff, normalization_in_effect
-from gradscale.sweep import job_dirs, job_overrides
+from gradscale.runs import job_dirs, job_overrides, short_number
 
 log = logging.getLogger(__name__)
 
@@ -198,17 +197,6 @@ def _short(value) -> str:
     return short_number(value) if isinstance(value, float) else str(value)
 
 
-def short_number(value: float, digits: int = 3) -> str:
-    """One short format for every number a person reads (labels, ticks, tables): plain between 0.01 and
-    1000 (0.125, 8, 0.03), else a compact power of ten (1e-8, 1.25e-4, 1e4); `digits` significant."""
-    value = float(value)
-    if value == 0 or not np.isfinite(value):
-        return f"{value:g}"
-    if 1e-2 <= abs(value) < 1e3:
-        return f"{value:.{digits}g}"
-    mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
-    mantissa = mantissa.rstrip("0").rstrip(".")
-    return f"{mantissa}e{int(exponent)}"
 
 
 def curve(curves: pd.DataFrame, run: str, metric: str) -> pd.Series:

@@ -2,7 +2,7 @@
 
 What every figure does, so that a reader can compare at a glance:
 - panels that compare setups share their y-axis, so sizes compare across panels;
-- numbers in ticks and legends in one short format (gradscale.analysis.load.short_number: 1e-8, 0.125, 1e4);
+- numbers in ticks and legends in one short format (gradscale.runs.short_number: 1e-8, 0.125, 1e4);
 - exact zeros, which a log axis cannot show, sit on a floor line the legend names;
 - a diverged run is cut where it leaves the others' range and marked x there, so it flattens nothing;
 - each line has its own colour, line style and marker (markers staggered), so coinciding lines stay
@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from gradscale.analysis.load import curve, short_number
+from gradscale.analysis.load import curve
 from gradscale.analysis.tables import (
     contrast_references,
     max_divergence,
@@ -30,7 +30,6 @@ from gradscale.analysis.tables import (
     seed_curves,
     seed_siblings,
 )
-from gradscale.analysis.theory import clipped_share as predicted_clipped_share
 from gradscale.records import (
     CLIP_COEF,
     EPS_DOMINATED,
@@ -40,6 +39,8 @@ from gradscale.records import (
     eval_loss_of,
     output_update_rms_of,
 )
+from gradscale.runs import short_number
+from gradscale.theory import clipped_share as predicted_clipped_share
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
 # notebook shows each returned figure exactly once.
@@ -593,7 +594,7 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     fix on; for a contrast such as an fp32 control, the banded run it differs from: tables.contrast_references):
     the held-out loss of the bucket's targets minus the reference's (what="loss"), or the RMS of the
     update of the bucket's output-matrix rows over the reference's, at the eval steps (what="update")."""
-    from gradscale.frequency import BUCKET_EDGES, BUCKETS
+    from gradscale.records import BUCKET_EDGES, BUCKETS
 
     low, mid, high = BUCKET_EDGES
     ranges = {"unseen": "0", "rare": f"{low}-{mid - 1}", "middle": f"{mid}-{high - 1}", "frequent": f">= {high}"}

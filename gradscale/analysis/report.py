@@ -17,7 +17,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from gradscale.analysis.advise import advisor_summary, advisor_vs_measured, predicted_onsets
-from gradscale.analysis.load import load, logged_group, short_number
+from gradscale.analysis.load import load, logged_group
 from gradscale.analysis.tables import (
     eps_share_table,
     equivalence_table,
@@ -28,8 +28,8 @@ from gradscale.analysis.tables import (
     theory_table,
 )
 from gradscale.checks import CommandParser
-from gradscale.frequency import BUCKETS
-from gradscale.records import CLIP_COEF, EPS_DOMINATED, EVAL_LOSS, eval_loss_of
+from gradscale.records import BUCKETS, CLIP_COEF, EPS_DOMINATED, EVAL_LOSS, eval_loss_of
+from gradscale.runs import short_number
 
 log = logging.getLogger(__name__)
 DPI = 200

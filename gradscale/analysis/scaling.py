@@ -24,12 +24,11 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from gradscale.analysis.advise import WITHIN, AdviseError, load_histograms
-from gradscale.analysis.load import short_number
 from gradscale.analysis.plots import plain_ticks
-from gradscale.analysis.theory import BIN_LOW, Histogram, update_rms_ratio
 from gradscale.checks import CommandParser
 from gradscale.records import HIST_BINS_PER_DECADE
-from gradscale.sweep import job_dirs, render_table
+from gradscale.runs import job_dirs, render_table, short_number
+from gradscale.theory import BIN_LOW, Histogram, update_rms_ratio
 
 # parameter counts of the Llama 3.2 checkpoints (tied embeddings), for the extrapolation
 LLAMA_SIZES = {"Llama 3.2 1B": 1.236e9, "Llama 3.2 3B": 3.213e9}

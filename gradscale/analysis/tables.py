@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from gradscale.analysis.load import curve, read_jsonl, short_number
-from gradscale.analysis.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group, twin_value
+from gradscale.analysis.load import curve, read_jsonl
 from gradscale.optimizers import entry as optimizer_entry
 from gradscale.recipes import with_fix
 from gradscale.records import GRAD_NORM, TRAIN_LOSS
+from gradscale.runs import short_number
+from gradscale.theory import breakdown_band, clipping_band, crossing, share_below, tensor_group, twin_value
 
 # Columns that make two runs "the same experiment" apart from the studied factor.
 PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",

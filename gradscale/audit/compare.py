@@ -49,7 +49,7 @@ def reference_gradient(model, input_ids: torch.Tensor, labels: torch.Tensor) -> 
 def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[float | None],
             reference: dict[str, torch.Tensor], tolerance: float) -> Result:
     """Fill result's numbers and verdict from every rank's gradient and logged norm."""
-    from gradscale.analysis.theory import tensor_group
+    from gradscale.theory import tensor_group
 
     def flat(g: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([g[n].double().flatten() for n in reference])
@@ -116,8 +116,8 @@ def meaning(c: float, eps: float | None = None, by: float = 0.1) -> str:
     (s + eps) / (s + eps / c), off by more than `by` where sqrt(v_hat) = s is below the threshold (eps: AdamW's
     default unless given); and a clipping threshold max_norm acts as max_norm / c on the right gradient
     (docs/design.md physics 13)."""
-    from gradscale.analysis.theory import departure_threshold
     from gradscale.optimizers.adamw import AdamWConfig
+    from gradscale.theory import departure_threshold
 
     eps = AdamWConfig().eps if eps is None else eps
 

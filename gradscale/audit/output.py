@@ -18,7 +18,7 @@ def is_uniform_multiplier(r: Result, tolerance: float) -> bool:
 
 
 def format_table(results: list[Result]) -> str:
-    from gradscale.sweep import render_table
+    from gradscale.runs import render_table
 
     header = ("N", "K", "trained tokens per rank", "c", "groups' c", "residual", "logged/true", "verdict")
     lines = []

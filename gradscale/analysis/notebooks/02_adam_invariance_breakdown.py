@@ -29,7 +29,8 @@ SWEEP_DIR = os.environ.get("GRADSCALE_SWEEP", "../../multirun/figures/scale_swee
 
 # %%
 # %matplotlib inline
-from gradscale.analysis import plots, theory
+from gradscale import theory
+from gradscale.analysis import plots
 from gradscale.analysis.load import load
 from gradscale.analysis.tables import measured_bands, summary_table, theory_table
 
