@@ -18,14 +18,17 @@ import pytest
 
 @pytest.fixture
 def gradient_audit() -> Callable[..., list]:
-    """gradient_audit(target, world_sizes=(1, 2, 4), accumulations=(1, 4), tolerance=1e-4): the audit's results;
-    an AssertionError with its table when a configuration fails (gradscale.audit.assert_gradient_matches)."""
+    """gradient_audit(target, world_sizes=(1, 2, 4), accumulations=(1, 4), tolerance=1e-4, objective="token-mean",
+    reference="objective", model_spec=None): the audit's results; an AssertionError with its table when a
+    configuration fails (gradscale.audit.assert_gradient_matches)."""
 
     def run(target: str, world_sizes: Sequence[int] = (1, 2, 4), accumulations: Sequence[int] = (1, 4),
-            tolerance: float | None = None) -> list:
+            tolerance: float | None = None, objective: str = "token-mean", reference: str = "objective",
+            model_spec: str | None = None) -> list:
         from gradscale.audit import TOLERANCE, assert_gradient_matches
 
         return assert_gradient_matches(target, world_sizes, accumulations,
-                                       TOLERANCE if tolerance is None else tolerance)
+                                       TOLERANCE if tolerance is None else tolerance, objective, reference,
+                                       model_spec)
 
     return run

@@ -34,20 +34,34 @@ GRID = [(n, k) for n in (1, 2, 4) for k in (1, 4)]
 
 
 @pytest.mark.parametrize("n,k", GRID)
-def test_layout_deals_every_sequence_once_raggedly_with_one_empty_micro_batch(n, k):
+def test_layout_deals_every_sequence_once_raggedly_with_an_empty_micro_batch_under_accumulation(n, k):
     _, labels = global_batch(2048, batch_size_for([1, 2, 4], [1, 4]))
     counts = counts_of(labels)
     dealt = layout(counts, n, k)
     assert sorted(i for rank in dealt for mb in rank for i in mb) == list(range(len(counts)))
     per_micro_batch = [[sum(counts[i] for i in mb) for mb in rank] for rank in dealt]
-    if n * k > 1:
+    if k > 1:
         assert per_micro_batch[-1][-1] == 0  # the last rank's last micro-batch trains nothing
     if k > 1:  # every rank trains something, and the ranks' counts differ
         assert all(sum(r) > 0 for r in per_micro_batch)
         assert len({sum(r) for r in per_micro_batch}) == n
         assert len({t for r in per_micro_batch for t in r if t > 0}) > 2  # the trained micro-batches differ too
-    if k == 1 and n > 2:  # the ranks that train differ in their counts
-        assert len({sum(r) for r in per_micro_batch[:-1]}) == n - 1
+    if k == 1 and n == 2:  # the one layout with a rank that trains nothing (c = 1/2 for a per-rank mean)
+        assert sum(per_micro_batch[1]) == 0
+    if k == 1 and n > 2:  # every rank trains, so a bug confined to one rank shows without accumulation
+        assert all(sum(r) > 0 for r in per_micro_batch) and len({sum(r) for r in per_micro_batch}) == n
+
+
+def test_the_batch_has_a_label_no_position_predicts_and_ranks_differ_in_trained_sequences():
+    from gradscale.audit.contract import IGNORE_INDEX
+
+    _, labels = global_batch(2048, batch_size_for([1, 2, 4], [1, 4]))
+    assert int((labels[:, 0] != IGNORE_INDEX).sum()) == 1  # an unshifted count is one token too many
+    assert int((labels != IGNORE_INDEX).sum()) == sum(counts_of(labels)) + 1
+    trained = [int((labels[i, 1:] != IGNORE_INDEX).any()) for i in range(len(labels))]
+    for n, k in [(2, 4), (4, 1), (4, 4)]:  # a per-rank sequence count differs from the global one's share
+        per_rank = [sum(trained[i] for mb in rank for i in mb) for rank in layout(counts_of(labels), n, k)]
+        assert len(set(per_rank)) > 1, (n, k, per_rank)
 
 
 def made_up(reference: dict[str, torch.Tensor], **scale_by_group) -> dict[str, torch.Tensor]:
@@ -78,7 +92,8 @@ def test_compare_finds_a_uniform_multiplier_and_passes_the_reference(reference):
 def test_compare_names_the_group_that_differs(reference):
     result = result_of(reference, made_up(reference, MLP=4.0))
     assert result.group_c["MLP"] == pytest.approx(4.0) and result.group_c["attention"] == pytest.approx(1.0)
-    assert result.reasons == ["tensor groups scaled unequally: MLP x4, embeddings / output x1, attention x1, norms x1"]
+    assert result.reasons == ["tensor groups scaled unequally: MLP x4, embeddings / output x1, attention x1, norms x1 "
+                              "(the MLP group alone is off)"]
 
 
 def test_compare_flags_a_residual_and_a_logged_norm_and_a_nan(reference):
@@ -102,6 +117,59 @@ def test_compare_flags_a_small_group_off_within_the_overall_residual_and_renamed
     assert not result.ok and any(r.startswith("tensor groups") for r in result.reasons)
     renamed = {f"base_model.{n}": g for n, g in reference.items()}
     assert result_of(reference, renamed).reasons[0].startswith("the step changed the model's parameters")
+
+
+def test_compare_reads_the_signatures_of_what_is_no_weighting_bug(reference):
+    """A zero gradient says only that; a norm clipped to a round number says clipping; a residual of bf16's size
+    says precision; the same gradient as at N = 1, K = 1 says another objective; c = T / (T + 1) an unshifted
+    count."""
+    zero = result_of(reference, {n: torch.zeros_like(g) for n, g in reference.items()})
+    assert zero.reasons == ["the gradient is zero: did the step leave it in .grad?"]
+    norm = torch.cat([g.flatten() for g in reference.values()]).norm()
+    clipped = result_of(reference, {n: g / norm for n, g in reference.items()})
+    assert "||g|| = 1 exactly" in clipped.reasons[0] and "clipped at max_norm 1" in clipped.reasons[0]
+    gen = torch.Generator().manual_seed(1)
+    rounded = {n: g * (1 + 2e-3 * torch.randn(g.shape, generator=gen, dtype=g.dtype)) for n, g in reference.items()}
+    assert "of the order of bf16's rounding" in result_of(reference, rounded).reasons[0]
+    other = {n: g.flip(0) for n, g in reference.items()}  # some other objective's gradient, at every layout
+    same = compare(Result(2, 4, [[1], [1]]), [other] * 2, [None] * 2, reference, TOLERANCE, baseline=other)
+    assert "the same gradient as at N = 1, K = 1" in same.reasons[0] and same.same_at_every_layout(TOLERANCE)
+    unshifted = compare(Result(1, 1, [[60, 10]]), [{n: g * 70 / 71 for n, g in reference.items()}], [None], reference,
+                        TOLERANCE)
+    assert "= 70 / 71: one token too many in the count" in unshifted.reasons[0]
+
+
+def test_compare_names_the_suspect_or_the_slot_weights_a_failing_gradient_is(reference):
+    """Fitted where it fails: a named suspect's gradient, else any weighting of the micro-batches, with the odd one
+    out named."""
+    half = {n: g.clone() for n, g in reference.items()}
+    for g in half.values():
+        g[3:] = 0  # one micro-batch's share
+    rest = {n: reference[n] - half[n] for n in reference}
+    suspect = {n: half[n] + 3 * rest[n] for n in reference}
+    fitted = compare(Result(2, 1, [[1], [1]]), [suspect] * 2, [None] * 2, reference, TOLERANCE,
+                     suspects={"per-rank token means": suspect})
+    assert fitted.reasons[0].endswith("the gradient is that of per-rank token means x1")
+    slots = {(0, 0): half, (1, 0): rest}
+    weighted = compare(Result(2, 1, [[1], [1]]), [suspect] * 2, [None] * 2, reference, TOLERANCE, slots=slots)
+    assert "tokens weighted by where they are" in weighted.reasons[0] and "rank 1 x3" in weighted.reasons[0]
+
+
+def test_objectives_weight_the_batch_as_named_and_a_bad_one_is_one_line():
+    from gradscale.audit import OBJECTIVES, objective
+    from gradscale.audit.objectives import trained_mask
+
+    _, labels = global_batch(2048, 16)
+    mask = trained_mask(labels)
+    trained = mask.sum(1) > 0
+    assert OBJECTIVES["token-mean"].weights(mask).sum() == pytest.approx(1)
+    seq_mean = OBJECTIVES["seq-mean-token-mean"].weights(mask)
+    assert seq_mean[trained].sum(1) == pytest.approx(torch.full((int(trained.sum()),), 1 / int(trained.sum())))
+    assert OBJECTIVES["seq-mean-token-sum"].weights(mask).sum() == pytest.approx(mask.sum() / int(trained.sum()))
+    assert objective("constant:512").weights(mask).sum() == pytest.approx(mask.sum() / 512)
+    for bad in ("mean", "constant:0", "constant:x", "constant:inf"):
+        with pytest.raises(AuditError, match=f"--objective {bad}: must be one of token-mean"):
+            objective(bad)
 
 
 def test_the_json_has_no_nan_at_any_depth(reference):
@@ -144,6 +212,13 @@ def test_a_bad_target_is_one_line_before_any_rank_starts():
     (["global_token_mean", "--accumulation", "1,x"], "--accumulation 1,x: comma-separated integers"),
     (["global_token_mean", "--tolerance", "0"], "error: --tolerance 0.0: must be in (0, 1)"),
     (["global_token_mean", "--world-sizes", "2,2"], "error: --world-sizes 2,2: each value once"),
+    (["global_token_mean", "--objective", "seq-mean"], "error: --objective seq-mean: must be one of token-mean"),
+    (["global_token_mean", "--reference", "nope"], "error: --reference: invalid choice: 'nope'"),
+    (["global_token_mean", "--model", "tests.helpers.audit_model"], "error: --model tests.helpers.audit_model: must "
+     "be module:factory"),
+    (["global_token_mean", "--model", "tests.helpers.audit_model:nope"], "has no function 'nope'"),
+    (["global_token_mean", "--model", "tests.helpers.audit_model:no_vocabulary"], "has no config.vocab_size"),
+    (["global_token_mean", "--model", "tests.helpers.audit_model:with_dropout"], "drops out (p = 0.1)"),
     (["global_token_mean", "--json", "/nonexistent/x.json"],
      "--json /nonexistent/x.json: its folder '/nonexistent' does not exist"),
 ])
@@ -157,7 +232,7 @@ def test_the_command_refuses_bad_input_in_one_line_before_work(args, message):
 ZOO_TARGETS = [e.name for e in ZOO] + sorted({e.fixed for e in ZOO})
 ZOO_BY_NAME = {e.name: e for e in ZOO}
 PEER_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "hf_trainer", "hf_trainer_no_token_average",
-                "examples.audit_step:fixed_step"]
+                "accelerate_docs_loop", "accelerate_token_loop", "examples.audit_step:fixed_step"]
 OPTIONAL_PEERS = ["trl_sft", "torchtune", "torchtune_pr2172"]  # `make test` installs them (make peers)
 
 
@@ -169,17 +244,24 @@ def installed(target: str) -> bool:
         return False
 
 
+USER_STEPS = [f"tests.helpers.audit_steps:{name}" for name in (
+    "seq_mean", "last_rank_doubled", "clipped_before_reduce", "zeroed_per_micro_batch", "bf16_reduction")]
+
+
 @pytest.fixture(scope="module")
 def audited():
-    """Every target below on 1, 2 and 4 real ranks, K = 1 and 4: one launch per world size for all of them."""
+    """Every target below on 1, 2 and 4 real ranks, K = 1 and 4: one launch per world size for all of them; each
+    zoo entry against the objective its fix computes, every other target against the token mean."""
     optional = [t for t in OPTIONAL_PEERS if installed(t)]
-    return audit_many(ZOO_TARGETS + PEER_TARGETS + optional, world_sizes=(1, 2, 4), accumulations=(1, 4))
+    targets = ZOO_TARGETS + PEER_TARGETS + USER_STEPS + optional
+    objectives = {t: "token-mean" for t in targets} | {name: e.objective for e in ZOO for name in (e.name, e.fixed)}
+    return audit_many(targets, world_sizes=(1, 2, 4), accumulations=(1, 4), objective=objectives)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_every_zoo_bug_is_flagged_as_its_mechanism_predicts_and_every_fix_passes(audited):
-    """The audit's mutation self-test: 7 bugs and their fixes."""
+    """The audit's mutation self-test: every bug and its fix."""
     results = audited
     for entry in ZOO:
         for r in results[entry.fixed]:
@@ -189,7 +271,7 @@ def test_every_zoo_bug_is_flagged_as_its_mechanism_predicts_and_every_fix_passes
             where = f"{entry.name} at N={n} K={k}: {r.reasons}"
             assert r.ok is not entry.shows(n, k), where
             if entry.expected_c is not None:
-                assert r.c == pytest.approx(entry.expected_c(n, k), rel=1e-5), where
+                assert r.c == pytest.approx(entry.expected_c(n, k, sum(map(sum, r.tokens))), rel=1e-5), where
             for group, c in (entry.expected_group_c or {}).items():
                 assert r.group_c[group] == pytest.approx(c(n, k), rel=1e-5), where
                 assert all(v == pytest.approx(1, rel=1e-5) for g, v in r.group_c.items() if g != group), where
@@ -205,6 +287,45 @@ def test_every_zoo_bug_is_flagged_as_its_mechanism_predicts_and_every_fix_passes
             elif ZOO_BY_NAME[name].shows(r.world_size, r.accumulation):
                 assert r.reasons[0].startswith("residual") and r.residual > 0.01, (name, r.reasons)
     assert all(r.logged_over_true < 1 - 0.1 for r in results["local_shard_norm"] if r.world_size > 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_verdicts_say_what_the_signature_shows(audited):
+    """A legitimate other objective is named as one, not as a reduction bug; a bug on the last rank alone shows
+    without accumulation (K = 1) and names that rank; clipping, bf16 and zeroed gradients are read as such."""
+    seq_mean = audited["tests.helpers.audit_steps:seq_mean"]
+    assert all(not r.ok and "the gradient is that of seq-mean-token-mean x1" in r.reasons[0] for r in seq_mean)
+    assert "with the same gradient at every layout (N = 1, K = 1 included)" in report("s", seq_mean, TOLERANCE)
+    assert all(r.ok for r in audited["seq_mean_global"])  # the same step, declared seq-mean-token-mean
+    last = {(r.world_size, r.accumulation): r for r in audited["tests.helpers.audit_steps:last_rank_doubled"]}
+    assert not last[4, 1].ok and "rank 3 x2, the rest x1" in last[4, 1].reasons[0]
+    assert last[1, 1].ok and last[2, 1].ok  # where the last rank trains nothing, nothing shows
+    clipped = audited["tests.helpers.audit_steps:clipped_before_reduce"][0]
+    assert "||g|| = 1 exactly" in clipped.reasons[0]
+    bf16 = audited["tests.helpers.audit_steps:bf16_reduction"]
+    assert all("of the order of bf16's rounding" in r.reasons[0] for r in bf16)
+    assert "precision, not a reduction bug" in report("b", bf16, TOLERANCE)
+    zeroed = {(r.world_size, r.accumulation): r for r in audited["tests.helpers.audit_steps:zeroed_per_micro_batch"]}
+    assert zeroed[1, 4].reasons == ["the gradient is zero: did the step leave it in .grad? (rank 0's last micro-batch "
+                                    "trains no token: a step that zeroes the gradients between micro-batches keeps "
+                                    "only that one's)"]
+    assert "the last micro-batch only x1" in zeroed[2, 4].reasons[0]
+    unshifted = audited["unshifted_token_count"]
+    assert all("one token too many in the count" in r.reasons[0] for r in unshifted)
+
+
+@pytest.mark.distributed
+def test_the_layout_reference_passes_any_split_invariant_objective_and_flags_a_per_rank_one():
+    results = audit_many(["seq_mean_global", "seq_mean_per_rank"], world_sizes=(1, 2), accumulations=(1, 4),
+                         reference="layout")
+    assert all(r.ok for r in results["seq_mean_global"]), report("g", results["seq_mean_global"], TOLERANCE)
+    assert results["seq_mean_global"][0].reference == ("layout: the step's own gradient at N = 1, K = 1, which is "
+                                                       "seq-mean-token-mean x1")
+    per_rank = results["seq_mean_per_rank"]
+    assert [r.ok for r in per_rank] == [True, True, False, False]
+    assert "the gradient depends on the layout, a bug whatever the objective" in report("p", per_rank, TOLERANCE)
+    assert "per-rank sequence means x1" in per_rank[3].reasons[0]
 
 
 @pytest.mark.distributed
@@ -245,14 +366,33 @@ def test_hf_trainer_passes_with_token_averaging_and_is_flagged_without_it(audite
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trl_and_torchtune_pass_and_torchtunes_pre_fix_factor_is_one_over_n(audited):
+def test_accelerates_first_loop_means_per_micro_batch_and_its_variable_size_example_counts_unshifted(audited):
+    first = {(r.world_size, r.accumulation): r for r in audited["accelerate_docs_loop"]}
+    assert first[1, 1].ok and all(not r.ok for key, r in first.items() if key != (1, 1))
+    assert "per-micro-batch token means x1" in first[1, 4].reasons[0]
+    for r in audited["accelerate_token_loop"]:  # right at every layout but for the one label at position 0
+        tokens = sum(map(sum, r.tokens))
+        assert r.c == pytest.approx(tokens / (tokens + 1), rel=1e-5) and r.residual < TOLERANCE
+        assert "one token too many in the count" in r.reasons[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_trl_passes_and_torchtune_weighs_the_micro_batch_with_a_first_label_apart(audited):
+    """torchtune 0.6.1 multiplies each micro-batch's mean loss by a count taken on unshifted labels (its recipe's
+    line 778): the micro-batch holding the batch's one label at position 0 weighs (T_mb + 1) / T_mb as much as the
+    rest, every weight over the global count T + 1. Right wherever one micro-batch alone trains."""
     if not all(installed(t) for t in OPTIONAL_PEERS):
         pytest.skip("the peers are not installed (make peers)")
-    for target in ("trl_sft", "torchtune"):
-        assert all(r.ok for r in audited[target]), report(target, audited[target], TOLERANCE)
+    assert all(r.ok for r in audited["trl_sft"]), report("trl_sft", audited["trl_sft"], TOLERANCE)
+    for r in audited["torchtune"]:
+        tokens = sum(map(sum, r.tokens))
+        alone = sum(t > 0 for rank in r.tokens for t in rank) == 1
+        assert r.ok is alone, report("torchtune", audited["torchtune"], TOLERANCE)
+        if not alone:
+            assert f"the rest x{tokens / (tokens + 1):.4g}" in r.reasons[0] and r.residual < 0.05, r.reasons
     for r in audited["torchtune_pr2172"]:
-        assert r.c == pytest.approx(1 / r.world_size, rel=1e-5) and r.residual < TOLERANCE
-        assert r.ok is (r.world_size == 1)
+        assert r.c == pytest.approx(1 / r.world_size, rel=0.02) and r.ok is ((r.world_size, r.accumulation) == (1, 1))
 
 
 def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
@@ -263,6 +403,16 @@ def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
     with pytest.raises(AuditError, match=r"error: torchtune is not installed: pip install 'gradscale\[peers\]' "
                                          r"\(in a clone: make peers\)"):
         resolve_target("torchtune")
+
+
+@pytest.mark.distributed
+def test_a_model_of_the_users_own_is_audited_like_the_tiny_llama():
+    """--model module:factory: a GPT-2 built by the user's function, the same weights on every rank."""
+    results = audit_many(["global_token_mean", "ddp_mean_then_global_tokens"], world_sizes=(1, 2), accumulations=(1, 4),
+                         model_spec="tests.helpers.audit_model:tiny_gpt2")
+    assert all(r.ok for r in results["global_token_mean"]), report("g", results["global_token_mean"], TOLERANCE)
+    for r in results["ddp_mean_then_global_tokens"]:
+        assert r.c == pytest.approx(1 / r.world_size, rel=1e-5) and r.ok is (r.world_size == 1)
 
 
 @pytest.mark.distributed

@@ -15,20 +15,22 @@ A target is a step function, a built-in adapter around a framework's own trainin
   It returns the grad norm it would log, or None.
 
 The audit runs the step on N real gloo ranks and K micro-batches of accumulation, on one fixed global batch that
-is ragged on purpose (trained-token counts differ across ranks and micro-batches, and wherever N or K > 1 at least one
-micro-batch has no trained token), and compares what each rank holds with the one-process reference gradient of
-the global token-mean loss (in float64): the fitted multiplier c, the same per tensor group, the residual that
-no multiplier explains, and the logged norm over the gradient's own.
+is ragged on purpose (trained-token and trained-sequence counts differ across ranks and micro-batches), and compares
+what each rank holds with the one-process float64 gradient of the objective the step declares (the global token
+mean unless told; gradscale/audit/objectives.py), or with the step's own gradient at N = 1, K = 1 (reference
+"layout"): the fitted multiplier c, the same per tensor group, the residual that no multiplier explains (fitted
+against the known bad reductions where it fails), and the logged norm over the gradient's own.
 """
 
 from gradscale.audit.batch import SEQ_LEN, batch_size_for, counts_of, global_batch, layout
 from gradscale.audit.compare import TOLERANCE, Result, compare, meaning, reference_gradient
 from gradscale.audit.contract import AuditError, World
-from gradscale.audit.launch import ALLOWED_SIZES, audit, audit_many, check_grid
+from gradscale.audit.launch import ALLOWED_SIZES, REFERENCES, audit, audit_many, check_grid
+from gradscale.audit.objectives import OBJECTIVES, SUSPECTS, objective
 from gradscale.audit.output import as_json, assert_gradient_matches, format_table, report
 from gradscale.audit.targets import builtin_targets, resolve_target
 
-__all__ = ["ALLOWED_SIZES", "SEQ_LEN", "TOLERANCE", "AuditError", "Result", "World", "as_json",
-           "assert_gradient_matches", "audit", "audit_many", "batch_size_for", "builtin_targets", "check_grid",
-           "compare", "counts_of", "format_table", "global_batch", "layout", "meaning", "reference_gradient",
-           "report", "resolve_target"]
+__all__ = ["ALLOWED_SIZES", "OBJECTIVES", "REFERENCES", "SEQ_LEN", "SUSPECTS", "TOLERANCE", "AuditError", "Result",
+           "World", "as_json", "assert_gradient_matches", "audit", "audit_many", "batch_size_for", "builtin_targets",
+           "check_grid", "compare", "counts_of", "format_table", "global_batch", "layout", "meaning", "objective",
+           "reference_gradient", "report", "resolve_target"]

@@ -2,6 +2,8 @@
 
     hf_trainer                     transformers.Trainer, average_tokens_across_devices on (its default)
     hf_trainer_no_token_average    the same with it off: each rank's own token count
+    accelerate_docs_loop           Accelerate's accumulate() loop as its guide shows first (mean loss per micro-batch)
+    accelerate_token_loop          Accelerate's loop for samples of variable size (the gathered token count)
     trl_sft                        TRL's SFTTrainer, fp32 (its config defaults to bf16)
     gradscale[_RECIPE]             this suite's own loop code (accumulate_gradients, GradPipeline.apply)
 
@@ -256,6 +258,61 @@ def trl_sft(model, micro_batches, world: World) -> float | None:
         return _run_trainer(SFTTrainer, model, with_mask, args)
 
 
+def accelerate_docs_loop(model, micro_batches, world: World) -> float | None:
+    """Accelerate's gradient-accumulation loop as its guide shows it first: the model's own loss (each
+    micro-batch's token mean), accelerator.backward (which divides by K) inside accelerator.accumulate, DDP."""
+    accelerator, net, prepared, optimizer = _accelerator(model, world)
+    norm = None
+    for mb in micro_batches:
+        with accelerator.accumulate(net):
+            accelerator.backward(net(**mb).loss)
+            if accelerator.sync_gradients:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in net.parameters() if p.grad is not None]).item()
+            prepared.step()
+            prepared.zero_grad()
+    return _kept(model, optimizer, norm)
+
+
+def accelerate_token_loop(model, micro_batches, world: World) -> float | None:
+    """Accelerate's loop for samples of variable size (examples/by_feature/
+    gradient_accumulation_for_autoregressive_models.py): the count of labels.ne(-100) gathered from every process,
+    the model's loss over it (num_items_in_batch) x K x processes, accelerator.backward, no_sync but for the
+    last micro-batch. The count is taken as the example takes it, on the labels the model is handed."""
+    from contextlib import nullcontext
+
+    accelerator, net, prepared, optimizer = _accelerator(model, world)
+    local = sum(mb["labels"].ne(-100).sum() for mb in micro_batches)
+    items = accelerator.gather(local).sum().item()
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with net.no_sync() if not last and accelerator.num_processes > 1 else nullcontext():
+            loss = net(**mb, use_cache=False, num_items_in_batch=items).loss
+            accelerator.backward(loss * world.accumulation * accelerator.num_processes)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in net.parameters() if p.grad is not None]).item()
+    prepared.step()
+    return _kept(model, optimizer, norm)
+
+
+def _accelerator(model, world: World):
+    """A fresh Accelerator (its singletons reset: one job per accumulation runs in this process) with K as its
+    gradient_accumulation_steps, and the model and a KeepGradients optimizer prepared."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(gradient_accumulation_steps=world.accumulation, cpu=True)
+    optimizer = KeepGradients(model.parameters())
+    net, prepared = accelerator.prepare(model, optimizer)
+    return accelerator, net, prepared, optimizer
+
+
+def _kept(model, optimizer: KeepGradients, norm: float | None) -> float | None:
+    for p in model.parameters():
+        p.grad = optimizer.kept.get(p)
+    return norm
+
+
 def gradscale_step(recipe_name: str):
     """This suite's own gradient code for one recipe: every rank is handed the global batch (gathered here)
     and takes its block, as the training loop does."""
@@ -318,6 +375,12 @@ ADAPTERS: dict[str, Adapter] = {
                           "gradient_accumulation_steps=K"),
     "hf_trainer_no_token_average": Adapter("gradscale.audit.adapters:hf_trainer_no_token_average",
                                            "transformers.Trainer with average_tokens_across_devices=False"),
+    "accelerate_docs_loop": Adapter("gradscale.audit.adapters:accelerate_docs_loop",
+                                    "Accelerate's accumulate() loop as its guide shows first: the model's mean loss "
+                                    "per micro-batch"),
+    "accelerate_token_loop": Adapter("gradscale.audit.adapters:accelerate_token_loop",
+                                     "Accelerate's example for samples of variable size: the loss over the gathered "
+                                     "labels.ne(-100) count, x K x processes"),
     "trl_sft": Adapter("gradscale.audit.adapters:trl_sft",
                        "TRL 1.16.0's SFTTrainer in fp32, gradient_accumulation_steps=K", requires="trl"),
     "torchtune": Adapter("gradscale.audit.adapters:torchtune",

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gradscale.audit.contract import IGNORE_INDEX
-
 TOLERANCE = 1e-4  # fp32 steps against a float64 reference, summed in another order: about 1e-6 off
+
+
+BF16_RESIDUAL = 2e-2  # below this, and fitting no suspect: a residual of the order of bf16's rounding (2^-8)
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Result:
     accumulation: int
     tokens: list[list[int]]  # trained tokens per rank, per micro-batch
     sequences: int = 0  # in the global batch
+    reference: str = "token-mean"  # what the gradient is compared with: the declared objective, or the layout's
     c: float = math.nan  # <g, g_ref> / <g_ref, g_ref>
     group_c: dict[str, float] = field(default_factory=dict)
     residual: float = math.nan  # ||g - c g_ref|| / ||c g_ref||
@@ -26,6 +28,10 @@ class Result:
     reference_norm: float = math.nan
     logged_norm: float | None = None
     replica_spread: float = 0.0  # max over ranks of ||g_r - g_0|| / ||g_0||
+    # c and residual against the step's own gradient at N = 1, K = 1 (nan where that is the reference or missing)
+    layout_c: float = math.nan
+    layout_residual: float = math.nan
+    fits: list[str] = field(default_factory=list)  # the suspects this gradient is (x its c), where it fails
     ok: bool = False
     reasons: list[str] = field(default_factory=list)
 
@@ -33,26 +39,44 @@ class Result:
     def logged_over_true(self) -> float | None:
         return None if self.logged_norm is None or not self.norm else self.logged_norm / self.norm
 
+    def same_at_every_layout(self, tolerance: float) -> bool:
+        """This gradient is the step's own N = 1, K = 1 gradient (so no reduction over ranks or micro-batches
+        changed it), as far as it was measured."""
+        return self.layout_residual <= tolerance and abs(self.layout_c - 1) <= tolerance
+
 
 def reference_gradient(model, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
     """One process, the whole global batch, float64: the gradient of the global token-mean loss."""
-    model = model.double()
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=input_ids).logits
-    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
-                                      ignore_index=IGNORE_INDEX).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    model.float()
-    return grads
+    from gradscale.audit.objectives import OBJECTIVES, trained_mask, weighted_gradients
+
+    weights = OBJECTIVES["token-mean"].weights(trained_mask(labels))
+    return weighted_gradients(model, input_ids, labels, {"token-mean": weights})["token-mean"]
+
+
+def flat(g: dict[str, torch.Tensor], names) -> torch.Tensor:
+    return torch.cat([g[n].double().flatten() for n in names])
+
+
+def fit(g: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(c, residual): the multiplier that brings ref closest to g, and what it leaves over ||c ref||."""
+    if ref.norm() == 0:
+        return math.nan, math.inf
+    c = (g @ ref / (ref @ ref)).item()
+    return c, ((g - c * ref).norm() / (abs(c) * ref.norm())).item() if c else math.inf
 
 
 def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[float | None],
-            reference: dict[str, torch.Tensor], tolerance: float) -> Result:
-    """Fill result's numbers and verdict from every rank's gradient and logged norm."""
+            reference: dict[str, torch.Tensor], tolerance: float, *, reference_name: str = "the global token-mean",
+            baseline: dict[str, torch.Tensor] | None = None,
+            suspects: dict[str, dict[str, torch.Tensor]] | None = None,
+            slots: dict[tuple[int, int], dict[str, torch.Tensor]] | None = None) -> Result:
+    """Fill result's numbers and verdict from every rank's gradient and logged norm, against `reference` (named
+    `reference_name` in the reasons). baseline: the step's own N = 1, K = 1 gradient, to tell an objective other
+    than the reference's (the same at every layout) from a layout bug. Where the gradient fails it is fitted
+    against suspects ({what the step computes: its gradient at this layout}, first match named) and then against
+    any weighting of the micro-batches (slots: {(rank, micro-batch): the gradient of its token sum over the global
+    count}), which names a rank or micro-batch weighted apart."""
     from gradscale.theory import tensor_group
-
-    def flat(g: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat([g[n].double().flatten() for n in reference])
 
     for g in grads:
         if set(g) != set(reference):
@@ -61,8 +85,8 @@ def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[f
                                   "compares the gradients of the model it hands over, in place")
             return result
 
-    ref = flat(reference)
-    per_rank = [flat(g) for g in grads]
+    ref = flat(reference, reference)
+    per_rank = [flat(g, reference) for g in grads]
     for rank, g in enumerate(per_rank):
         if not torch.isfinite(g).all():
             kind = "NaN" if torch.isnan(g).any() else "inf"
@@ -75,40 +99,125 @@ def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[f
     result.norm, result.reference_norm = g.norm().item(), ref.norm().item()
     result.replica_spread = max(((x - g).norm() / g.norm()).item() if g.norm() > 0 else (x - g).norm().item()
                                 for x in per_rank)
-    result.c = (g @ ref / (ref @ ref)).item()
-    result.residual = ((g - result.c * ref).norm() / (abs(result.c) * ref.norm())).item() if result.c else math.inf
+    result.c, result.residual = fit(g, ref)
+    if baseline is not None:
+        result.layout_c, result.layout_residual = fit(g, flat(baseline, reference))
     groups: dict[str, list[str]] = {}
     for name in reference:
         groups.setdefault(tensor_group(name), []).append(name)
     group_residuals = {}
     for group, names in groups.items():
-        g_group = torch.cat([grads[0][n].double().flatten() for n in names])
-        r_group = torch.cat([reference[n].flatten() for n in names])
-        c = result.group_c[group] = (g_group @ r_group / (r_group @ r_group)).item()
-        group_residuals[group] = ((g_group - c * r_group).norm() / (abs(c) * r_group.norm())).item() if c else math.inf
+        result.group_c[group], group_residuals[group] = fit(flat(grads[0], names), flat(reference, names))
     result.logged_norm = logged[0]
+    failing = (result.residual > tolerance or abs(result.c - 1) > tolerance
+               or any(abs(c / result.c - 1) > tolerance for c in result.group_c.values()))
+    if failing and result.norm > 0:
+        matched: list[torch.Tensor] = []
+        for what, suspect in (suspects or {}).items():
+            s = flat(suspect, reference)
+            # skip what at this layout is only a multiple of the reference or of a suspect already named
+            if all(fit(s, other)[1] > tolerance for other in [ref, *matched]):
+                c, residual = fit(g, s)
+                if residual <= tolerance:
+                    result.fits.append(f"{what} x{c:.6g}")
+                    matched.append(s)
+        if not result.fits and slots and result.residual > tolerance:
+            result.fits += _slot_weights(g, {key: flat(v, reference) for key, v in slots.items()}, tolerance)
 
     if result.norm == 0:
-        result.reasons.append("the gradient is zero: did the step leave it in .grad?")
+        last_empty = result.accumulation > 1 and result.tokens[0][-1] == 0
+        result.reasons.append("the gradient is zero: did the step leave it in .grad?" + (
+            " (rank 0's last micro-batch trains no token: a step that zeroes the gradients between micro-batches "
+            "keeps only that one's)" if last_empty else ""))
+        result.ok = False
+        return result
     if result.replica_spread > tolerance:
         result.reasons.append(f"ranks hold different gradients (spread {result.replica_spread:.2g})")
     groups_differ = any(abs(c / result.c - 1) > tolerance for c in result.group_c.values()) if result.c else False
     scaled = ", ".join(f"{g} x{c:.6g}" for g, c in sorted(result.group_c.items(), key=lambda x: -abs(x[1] - 1)))
     if groups_differ and max(group_residuals.values()) <= tolerance:  # each group scaled, by its own factor
-        result.reasons.append(f"tensor groups scaled unequally: {scaled}")
+        odd = [g for g, c in result.group_c.items() if abs(c - _median(result.group_c.values())) > tolerance * abs(c)]
+        result.reasons.append(f"tensor groups scaled unequally: {scaled}"
+                              + (f" (the {odd[0]} group alone is off)" if len(odd) == 1 else ""))
     elif result.residual > tolerance:
-        result.reasons.append(f"residual {result.residual:.2g}: tokens weighted unequally (per-rank or "
-                              "per-micro-batch means?)")
+        result.reasons.append(_residual_reason(result, reference_name, tolerance))
     elif groups_differ:  # a small group off, too small to move the overall residual past the tolerance
         result.reasons.append(f"tensor groups differ: {scaled}")
     elif abs(result.c - 1) > tolerance:
-        result.reasons.append(f"gradient x{result.c:.6g} the global token-mean's")
+        result.reasons.append(f"gradient x{result.c:.6g} {reference_name}'s" + _multiplier_hint(result, tolerance))
     ratio = result.logged_over_true
     if ratio is not None and abs(ratio - 1) > tolerance:
         result.reasons.append(f"logged norm x{ratio:.4g} the gradient's (one shard's norm? logged before the "
                               "reduction?)")
     result.ok = not result.reasons
     return result
+
+
+def _median(values) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def _slot_weights(g: torch.Tensor, slots: dict[tuple[int, int], torch.Tensor], tolerance: float) -> list[str]:
+    """Where g is a weighted sum of the micro-batches' token-sum gradients (each over the global count): the
+    weights that differ from 1 (the token mean's), as one line; else nothing."""
+    keys = [key for key, v in slots.items() if v.norm() > 0]
+    if not keys:
+        return []
+    a = torch.stack([slots[key] for key in keys], 1)
+    weights = torch.linalg.lstsq(a, g[:, None]).solution[:, 0]
+    if (g - a @ weights).norm() > tolerance * g.norm():
+        return []
+    by_rank: dict[int, list[float]] = {}
+    for (rank, _), w in zip(keys, weights.tolist(), strict=True):
+        by_rank.setdefault(rank, []).append(w)
+    if all(max(ws) - min(ws) <= 10 * tolerance * max(abs(w) for w in ws) for ws in by_rank.values()):
+        parts = {f"rank {rank}": ws[0] for rank, ws in by_rank.items()}
+    else:
+        parts = {f"rank {rank} micro-batch {k}": w for (rank, k), w in zip(keys, weights.tolist(), strict=True)}
+    # the usual weight: the most common, ties to the one nearest 1 (the token mean's)
+    values = list(parts.values())
+    usual = max(values, key=lambda w: (sum(abs(v - w) <= 10 * tolerance * abs(w) for v in values), -abs(w - 1)))
+    odd = [f"{where} x{w:.4g}" for where, w in parts.items() if abs(w - usual) > 10 * tolerance * abs(usual)]
+    rest = f"the rest x{usual:.4g}" if len(odd) < len(parts) else ""
+    return [f"the token mean with its tokens weighted by where they are: {', '.join([*odd, rest] if rest else odd)}"]
+
+
+def _residual_reason(r: Result, reference_name: str, tolerance: float) -> str:
+    head = f"residual {r.residual:.2g}"
+    if r.fits:
+        return f"{head}: the gradient is that of {' or of '.join(r.fits)}"
+    if r.residual < BF16_RESIDUAL:
+        return (f"{head}: of the order of bf16's rounding (2^-8 = 3.9e-3), not of a weighting bug (0.05 and more "
+                f"on this batch): a step in bf16? it passes with --tolerance {BF16_RESIDUAL:g}")
+    if (r.world_size, r.accumulation) != (1, 1) and r.same_at_every_layout(tolerance):
+        return (f"{head}, the same gradient as at N = 1, K = 1: not a reduction over ranks or micro-batches but an "
+                f"objective other than {reference_name}")
+    if (r.world_size, r.accumulation) == (1, 1):
+        return (f"{head} at N = 1, K = 1, where no reduction over ranks or micro-batches acts: the step's objective "
+                f"is not {reference_name} (--objective names another; --reference layout checks any)")
+    return (f"{head}: tokens weighted unequally, by none of the per-rank, per-micro-batch or per-sequence means the "
+            "audit knows")
+
+
+def _multiplier_hint(r: Result, tolerance: float) -> str:
+    """What a uniform c's signature says beyond its value: a norm clipped before the audit saw it, or the same
+    factor at every layout."""
+    rounded = float(f"{r.norm:.1g}")
+    if r.c < 1 and abs(r.norm - rounded) <= tolerance * rounded:
+        return (f" (||g|| = {rounded:g} exactly, where the reference's is {r.reference_norm:.4g}: clipped at "
+                f"max_norm {rounded:g} before the optimizer was handed it? the audit wants the gradient before "
+                "clipping)")
+    tokens = sum(map(sum, r.tokens))
+    if tokens >= 10 and abs(r.c - tokens / (tokens + 1)) <= tolerance:  # apart from 1/2, 1/N and the like
+        return (f" (= {tokens} / {tokens + 1}: one token too many in the count, the label at position 0 that no "
+                "position predicts, which the batch's first sequence has: a count on unshifted labels? count "
+                "labels[:, 1:] != -100)")
+    if abs(r.c - tokens) <= tolerance * tokens:
+        return f" (= the global trained-token count, {tokens}: the token sum, never divided by the count)"
+    if (r.world_size, r.accumulation) != (1, 1) and r.same_at_every_layout(tolerance):
+        return " (the same at N = 1, K = 1: a count or divisor of the step's own, not its reduction over ranks)"
+    return ""
 
 
 def meaning(c: float, eps: float | None = None, by: float = 0.1) -> str:

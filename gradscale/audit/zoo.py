@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradscale.audit.contract import IGNORE_INDEX, World, trained_tokens
 
-PARALLEL_DEGREE = 2  # the tensor- / context-parallel size the over-counting entries assume
+PARALLEL_DEGREE = 2  # the tensor- / context-parallel size the over-counting and context-parallel entries assume
+STEPS_PER_GENERATION = 2  # TRL GRPO's steps_per_generation in its entry: the bug shows where K differs from it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +154,99 @@ def summed_accumulation(model, micro_batches, world: World) -> float:
     return grad_norm(model)
 
 
+def unshifted_token_count(model, micro_batches, world: World) -> float:
+    """The global count taken on unshifted labels (labels != -100): a label at position 0, which no position
+    predicts, is counted too."""
+    net = DistributedDataParallel(model)
+    tokens = sum_over_ranks(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches))  # the bug
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) * world.size / tokens)
+    return grad_norm(model)
+
+
+def steps_per_generation_factor(model, micro_batches, world: World) -> float:
+    """TRL GRPO's DAPO loss before PR 6024: the global token mean, then scaled by gradient_accumulation_steps /
+    steps_per_generation, a factor that is 1 only where the two agree."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) * world.size / tokens
+               * world.accumulation / STEPS_PER_GENERATION)  # the bug: the factor
+    return grad_norm(model)
+
+
+def context_shards_own_count(model, micro_batches, world: World) -> float:
+    """Context parallelism as Megatron-LM before PR 7513 scaled it: each of PARALLEL_DEGREE context shards (here
+    contiguous slices of the positions, within each micro-batch) divides its token sum by its own trained count,
+    and the shards' results are averaged; right only where the shards train equally many tokens (one trained
+    token per sequence: half the gradient at degree 2). Emulated inside each data-parallel rank."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+
+    def loss_of(k, mb):
+        shifted = mb["labels"][:, 1:]
+        logits = net(input_ids=mb["input_ids"]).logits[:, :-1]
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX,
+                                               reduction="none").view_as(shifted)
+        count = int((shifted != IGNORE_INDEX).sum())
+        shares = []
+        for positions in torch.arange(shifted.shape[1]).tensor_split(PARALLEL_DEGREE):
+            shard_count = int((shifted[:, positions] != IGNORE_INDEX).sum())
+            # the bug: / shard_count (then averaged over the shards) where the fix divides the sum by count
+            shares.append(ce[:, positions].sum() / max(shard_count, 1) * count / PARALLEL_DEGREE)
+        return sum(shares) * world.size / tokens
+    accumulate(net, micro_batches, loss_of)
+    return grad_norm(model)
+
+
+def pipeline_token_sum(model, micro_batches, world: World) -> float:
+    """A pipeline schedule's loss function that returns the token sum where the step divides by the global
+    count (torchtitan issue 2972): gradients x the global trained-token count."""
+    net = DistributedDataParallel(model)
+    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) * world.size)  # the bug: no / tokens
+    return grad_norm(model)
+
+
+def data_and_accumulation_overcount(model, micro_batches, world: World) -> float:
+    """Gradients summed over ranks and micro-batches, and the loss scaled by N x K as if both averaged (NeMo
+    Automodel PRs 3359, 3830): x N K."""
+    tokens = global_tokens(micro_batches)
+    for mb in micro_batches:
+        (token_loss_sum(model, mb) * world.size * world.accumulation / tokens).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)  # the bug: SUM over ranks where the N above assumed an average
+    return grad_norm(model)
+
+
+def seq_mean_global(model, micro_batches, world: World) -> float:
+    """The fix for a sequence-level mean (GRPO's seq-mean-token-mean): each sequence's token mean, summed, over
+    the global count of sequences that train a token, times N for DDP's average."""
+    net = DistributedDataParallel(model)
+    sequences = sum_over_ranks(sum(_trained_sequences(mb) for mb in micro_batches))
+    accumulate(net, micro_batches, lambda k, mb: _sequence_means(net, mb).sum() * world.size / sequences)
+    return grad_norm(model)
+
+
+def seq_mean_per_rank(model, micro_batches, world: World) -> float:
+    """A sequence-level mean over the rank's own sequences, the ranks' means averaged by DDP (prime-rl issue
+    2358 / PR 2562: per-rank counts)."""
+    net = DistributedDataParallel(model)
+    local = max(sum(_trained_sequences(mb) for mb in micro_batches), 1)  # the bug: not summed over ranks
+    accumulate(net, micro_batches, lambda k, mb: _sequence_means(net, mb).sum() / local)
+    return grad_norm(model)
+
+
+def _trained_sequences(mb) -> int:
+    return int(((mb["labels"][:, 1:] != IGNORE_INDEX).sum(1) > 0).sum())
+
+
+def _sequence_means(model, mb) -> torch.Tensor:
+    """Each sequence's mean cross-entropy over its trained tokens (0 for a sequence with none)."""
+    shifted = mb["labels"][:, 1:]
+    logits = model(input_ids=mb["input_ids"]).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=IGNORE_INDEX,
+                                           reduction="none").view_as(shifted)
+    return ce.sum(1) / (shifted != IGNORE_INDEX).sum(1).clamp(min=1)
+
+
 def _shard(grad: torch.Tensor, world: World) -> torch.Tensor:
     return grad.flatten().tensor_split(world.size)[world.rank]  # N parts, some empty when a tensor is small
 
@@ -177,25 +271,26 @@ class Entry:
     fixed: str  # its fixed counterpart, a function of this module
     incidents: str  # where it shipped
     summary: str
-    # the multiplier the audit must find, as a function of (N, K); None: not a uniform multiplier
-    expected_c: Callable[[int, int], float] | None = None
+    # the multiplier the audit must find, as a function of (N, K, the global trained tokens); None: no multiplier
+    expected_c: Callable[[int, int, int], float] | None = None
     # the groups whose multiplier differs from the rest's: group -> c(N, K)
     expected_group_c: dict[str, Callable[[int, int], float]] | None = None
     # where the bug shows at all: (N, K) -> bool
     shows: Callable[[int, int], bool] = lambda n, k: True
+    objective: str = "token-mean"  # what the fix computes (gradscale-audit --objective)
 
 
 ZOO = (
     Entry("ddp_mean_then_global_tokens", "global_token_mean",
-          "torchtune PR 2172; torchtitan issue 2318 (PR 2323)",
+          "torchtune PR 2172; torchtitan issue 2318 (PR 2323); AReaL PR 1273 (N x too small)",
           "DDP averages over ranks and the loss is divided by the global token count: gradients 1/N",
-          expected_c=lambda n, k: 1 / n, shows=lambda n, k: n > 1),
+          expected_c=lambda n, k, t: 1 / n, shows=lambda n, k: n > 1),
     Entry("local_shard_norm", "shard_norms_summed",
           "torchtune issue 2240 (PR 2248); LLaMA-Factory PR 10640",
           "the logged grad norm is one rank's shard's, not the whole gradient's",
-          expected_c=lambda n, k: 1.0, shows=lambda n, k: n > 1),
+          expected_c=lambda n, k, t: 1.0, shows=lambda n, k: n > 1),
     Entry("per_microbatch_mean", "global_token_mean",
-          "transformers PR 34191; TRL issue 2175",
+          "transformers PR 34191; TRL issue 2175; open-instruct issue 1728 (mean of micro-batch means)",
           "each micro-batch's own token mean, averaged: tokens of sparse micro-batches weigh more",
           shows=lambda n, k: n * k > 1),
     Entry("per_rank_mean", "global_token_mean",
@@ -205,7 +300,7 @@ ZOO = (
     Entry("parallel_degree_overcount", "global_token_mean",
           "transformers PR 45994 (loss x tp_size); Megatron-LM issue 906 (loss x cp_size)",
           f"the loss counts model-parallel ranks as data-parallel ones: gradients x{PARALLEL_DEGREE}",
-          expected_c=lambda n, k: float(PARALLEL_DEGREE)),
+          expected_c=lambda n, k, t: float(PARALLEL_DEGREE)),
     Entry("expert_grads_summed", "expert_grads_divided",
           "pytorch issue 160285; pytorch PR 167178",
           "expert gradients summed over ranks where the rest are averaged: the expert group x N",
@@ -213,5 +308,31 @@ ZOO = (
     Entry("summed_accumulation", "engine_divides_by_accumulation",
           "DeepSpeed issue 7773",
           "micro-batch gradients summed where the engine should average them: gradients x K",
-          expected_c=lambda n, k: float(k), shows=lambda n, k: k > 1),
+          expected_c=lambda n, k, t: float(k), shows=lambda n, k: k > 1),
+    Entry("unshifted_token_count", "global_token_mean",
+          "torchtune 0.6.1 full_finetune_distributed.py line 778 (labels != ignore_index before the shift)",
+          "the count taken on unshifted labels counts position 0's label, which no position predicts",
+          expected_c=lambda n, k, t: t / (t + 1)),
+    Entry("steps_per_generation_factor", "global_token_mean",
+          "TRL issue 5619 / PR 6024 (GRPO's dapo and cispo losses)",
+          f"the loss x gradient_accumulation_steps / steps_per_generation ({STEPS_PER_GENERATION} here): x K / "
+          f"{STEPS_PER_GENERATION}",
+          expected_c=lambda n, k, t: k / STEPS_PER_GENERATION, shows=lambda n, k: k != STEPS_PER_GENERATION),
+    Entry("context_shards_own_count", "global_token_mean",
+          "Megatron-LM PR 7513 (each context-parallel shard over its own token count)",
+          f"each of {PARALLEL_DEGREE} context shards divides by its own trained count and the shards average: "
+          "tokens of sparse shards weigh more (emulated)"),
+    Entry("pipeline_token_sum", "global_token_mean",
+          "torchtitan issue 2972 (pipeline-parallel gradients global_valid_tokens x larger)",
+          "the pipeline's loss function returns the token sum: gradients x the global trained-token count "
+          "(emulated)",
+          expected_c=lambda n, k, t: float(t)),
+    Entry("data_and_accumulation_overcount", "global_token_mean",
+          "NeMo Automodel PRs 3359, 3830 (8x at dp 4 x accumulation 2)",
+          "gradients summed over ranks and micro-batches, the loss scaled by N K as if averaged: x N K",
+          expected_c=lambda n, k, t: float(n * k), shows=lambda n, k: n * k > 1),
+    Entry("seq_mean_per_rank", "seq_mean_global",
+          "prime-rl issue 2358 / PR 2562 (per-rank counts)",
+          "a sequence-level mean over each rank's own sequences, averaged over ranks: sequences of sparse ranks "
+          "weigh more", shows=lambda n, k: n > 1, objective="seq-mean-token-mean"),
 )
