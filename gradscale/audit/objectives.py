@@ -151,7 +151,19 @@ def slot_weights(mask: torch.Tensor, sequences: list[int]) -> torch.Tensor:
 def weighted_gradients(model, input_ids: torch.Tensor, labels: torch.Tensor,
                        weightings: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """One process, the whole global batch, float64: the gradient of sum(w * ce) for each weighting w
-    ([sequences, SEQ_LEN - 1]), by one forward and a backward each. The model is left in fp32."""
+    ([sequences, SEQ_LEN - 1]). Every weighting here scales each sequence's trained tokens alike (w = a_s on the
+    trained tokens of sequence s), so each is sum_s a_s G_s over the per-sequence token-sum gradients G_s, taken
+    once (batched where it fits in memory). The model is left in fp32."""
+    mask = trained_mask(labels)
+    trained = [s for s in range(len(mask)) if mask[s].any()]
+    per_token = mask[trained].sum(1)
+    shares = {}
+    for key, w in weightings.items():
+        a = (w[trained] * mask[trained]).sum(1) / per_token
+        if not torch.allclose(w, torch.zeros_like(w).index_put_((torch.tensor(trained),), mask[trained] * a[:, None]),
+                              rtol=1e-12, atol=1e-15):
+            raise ValueError(f"weighting {key!r} is not a per-sequence scaling of the trained tokens")
+        shares[key] = a
     model = model.double()
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=input_ids).logits
@@ -160,10 +172,22 @@ def weighted_gradients(model, input_ids: torch.Tensor, labels: torch.Tensor,
                                            reduction="none").view_as(targets)
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
-    out = {}
-    for i, (key, w) in enumerate(weightings.items()):
-        grads = torch.autograd.grad((ce * w).sum(), params, retain_graph=i < len(weightings) - 1, allow_unused=True)
-        out[key] = {n: torch.zeros_like(p) if g is None else g.detach().clone()
-                    for n, p, g in zip(names, params, grads, strict=True)}
+    one_each = torch.zeros((len(trained), *mask.shape), dtype=mask.dtype)
+    for i, s in enumerate(trained):
+        one_each[i, s] = mask[s]
+    size = sum(p.numel() for p in params) * len(trained) * 8
+    if size <= 2 * 2 ** 30:  # all the sequences' gradients at once (vmap over the backward)
+        per_seq = torch.autograd.grad(ce, params, grad_outputs=one_each, is_grads_batched=True, allow_unused=True)
+        per_seq = [torch.zeros((len(trained), *p.shape), dtype=p.dtype) if g is None else g
+                   for p, g in zip(params, per_seq, strict=True)]
+        out = {key: {n: torch.tensordot(a, g, dims=1) for n, g in zip(names, per_seq, strict=True)}
+               for key, a in shares.items()}
+    else:  # a large model: one backward per weighting
+        out = {}
+        for i, (key, w) in enumerate(weightings.items()):
+            grads = torch.autograd.grad((ce * w).sum(), params, retain_graph=i < len(weightings) - 1,
+                                        allow_unused=True)
+            out[key] = {n: torch.zeros_like(p) if g is None else g.detach().clone()
+                        for n, p, g in zip(names, params, grads, strict=True)}
     model.float()
     return out
