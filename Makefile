@@ -1,4 +1,5 @@
-# make sweep: the default sweep (8 fine-tunes: the fix on and off) on this machine.   make test: ruff + the whole pytest suite.
+# make sweep: the default sweep (8 fine-tunes: the fix on and off) on this machine.   make test: ruff + the pytest suite
+# but the framework audits, which make test-frameworks runs (CI runs both).
 # make test-fast: ruff + the tests not marked slow, distributed or gpu (the edit loop).
 # Both create .venv if missing and install the project into it (editable, with the dev extra).
 # make test also prepares the GPU check's carry (.whl/) and its rehearsal environment (.rehearsal/), which
@@ -9,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SWEEP_ARGS ?=
 
-.PHONY: sweep test test-fast install carry rehearsal peers wheelenv clean
+.PHONY: sweep test test-frameworks test-fast install carry rehearsal peers wheelenv clean
 
 install: $(VENV)/.installed
 
@@ -57,11 +58,16 @@ sweep: install
 
 test: install carry rehearsal peers wheelenv
 	$(VENV)/bin/ruff check .
-	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 GRADSCALE_REQUIRE_WHEELENV=1 $(PY) -m pytest
+	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 GRADSCALE_REQUIRE_WHEELENV=1 $(PY) -m pytest -m "not frameworks"
+
+# The audits of the peer frameworks' own steps (HF Trainer, Accelerate, TRL, torchtune): the heaviest, apart so that
+# make test stays within its time; CI runs both.
+test-frameworks: install peers
+	WANDB_MODE=disabled $(PY) -m pytest -m frameworks
 
 test-fast: install
 	$(VENV)/bin/ruff check .
-	WANDB_MODE=disabled $(PY) -m pytest -m "not slow and not distributed and not gpu"
+	WANDB_MODE=disabled $(PY) -m pytest -m "not slow and not distributed and not gpu and not frameworks"
 
 clean:
 	rm -rf $(VENV) .whl .rehearsal .peers .wheelenv device_check outputs multirun .pytest_cache .ruff_cache

@@ -195,7 +195,9 @@ def run_folder_job(cfg: DictConfig, hydra_cfg, is_main: bool) -> str:
             run_log.finish(summary)
         elif is_main:
             write_json_atomic(run_dir / "summary.json", summary)
-        log.info("%s: %s (%.1f s) -> %s", summary["status"], summary.get("final_loss"), summary["wall_s"], run_dir)
+        # the last line says how the run ended: its final loss, or why it failed
+        ended = summary.get("error") if summary["status"] == "failed" else summary.get("final_loss")
+        log.info("%s: %s (%.1f s) -> %s", summary["status"], ended, summary["wall_s"], run_dir)
     return summary["status"]
 
 

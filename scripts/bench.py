@@ -343,7 +343,8 @@ def step_probe(loop: str, overrides: list[str], steps: int) -> tuple[float, floa
     return seconds, model_flops_per_token(cfg, n_params) * cfg.batch_size * cfg.seq_len / seconds
 
 
-def real_model(overrides: list[str], repeats: int, steps: int, against: str | None, compiled: bool = False) -> int:
+def real_model(overrides: list[str], repeats: int, steps: int, against: str | None, compiled: bool = False,
+               matmul_size: int = MATMUL_N) -> int:
     """--real-model: each (code, variant, loop) a process of its own, and each precision's matmul rate,
     interleaved, median of `repeats`; a table and the ratios side by side."""
     codes = {"this": ROOT}
@@ -355,7 +356,8 @@ def real_model(overrides: list[str], repeats: int, steps: int, against: str | No
         matmul: dict[str, list[float]] = {p: [] for p in REAL_PRECISIONS}
         for repeat in range(repeats):
             for precision in REAL_PRECISIONS:
-                matmul[precision].append(float(probe(ROOT, ["--matmul-probe", precision])[-1]))
+                matmul[precision].append(float(probe(ROOT, ["--matmul-probe", precision, "--matmul-size",
+                                                             str(matmul_size)])[-1]))
             for variant, (settings, _) in variants.items():
                 for code, tree in codes.items():
                     for loop in REAL_LOOPS:
@@ -504,10 +506,13 @@ def main(argv: list[str] | None = None) -> int:
                         "of N")
     parser.add_argument("--real-model", type=int, default=0, metavar="N", help="instead, SmolLM2-135M at 16 x 128 "
                         "tokens in fp32 and bf16: the suite against a bare loop, tokens/s and model FLOP/s against "
-                        f"the measured {MATMUL_N}^3 matmul rate of each precision, one process per measurement, "
+                        "the measured matmul rate of each precision (--matmul-size), one process per measurement, "
                         f"median of N ({REAL_WARMUP} + --steps steps each, default {REAL_STEPS})")
     parser.add_argument("--against", metavar="GIT_REF", help="with --real-model: also measure the code of this "
                         "commit (a git worktree), in the same run, for the ratios of this code's tokens/s to its")
+    parser.add_argument("--matmul-size", type=int, default=MATMUL_N, metavar="N", help="with --real-model: the "
+                        f"side of the square matmul whose rate each precision is measured by (default {MATMUL_N}; a "
+                        "CPU without bf16 instructions takes minutes for bf16 at that size)")
     parser.add_argument("--compiled", action="store_true", help="with --real-model: also bf16 with compile=true "
                         "(Inductor; its first step compiles, a minute or more with a cold cache)")
     parser.add_argument("--memory-probe", metavar="LOOP", help=argparse.SUPPRESS)  # one measurement of --memory
@@ -519,20 +524,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.matmul_probe:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.matmul_probe]
-        print(matmul_flops(torch.device("cpu"), MATMUL_N, dtype=dtype))
+        print(matmul_flops(torch.device("cpu"), args.matmul_size, dtype=dtype))
         return 0
     if args.step_probe:
         print(*step_probe(args.step_probe, args.overrides, args.steps))
         return 0
     if args.real_model < 0:
         parser.error(f"--real-model={args.real_model} must be >= 0")
+    if args.matmul_size < 1:
+        parser.error(f"--matmul-size={args.matmul_size} must be >= 1")
     if (args.against or args.compiled) and not args.real_model:
         parser.error(f"{'--against' if args.against else '--compiled'} goes with --real-model N")
     if args.real_model:
         steps = REAL_STEPS if args.steps is None else args.steps
         if steps < 1:
             parser.error(f"--steps={steps} must be >= 1")
-        return real_model(args.overrides, args.real_model, steps, args.against, args.compiled)
+        return real_model(args.overrides, args.real_model, steps, args.against, args.compiled, args.matmul_size)
     args.steps = 50 if args.steps is None else args.steps
     if args.steps < 1 or args.repeats < 1:
         parser.error(f"--steps={args.steps} must be >= 1 and --repeats={args.repeats} >= 1")

@@ -231,8 +231,8 @@ def test_the_command_refuses_bad_input_in_one_line_before_work(args, message):
 
 ZOO_TARGETS = [e.name for e in ZOO] + sorted({e.fixed for e in ZOO})
 ZOO_BY_NAME = {e.name: e for e in ZOO}
-PEER_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "hf_trainer", "hf_trainer_no_token_average",
-                "accelerate_docs_loop", "accelerate_token_loop", "examples.audit_step:fixed_step"]
+OWN_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "examples.audit_step:fixed_step"]
+FRAMEWORK_TARGETS = ["hf_trainer", "hf_trainer_no_token_average", "accelerate_docs_loop", "accelerate_token_loop"]
 OPTIONAL_PEERS = ["trl_sft", "torchtune", "torchtune_pr2172"]  # `make test` installs them (make peers)
 
 
@@ -252,10 +252,17 @@ USER_STEPS = [f"tests.helpers.audit_steps:{name}" for name in (
 def audited():
     """Every target below on 1, 2 and 4 real ranks, K = 1 and 4: one launch per world size for all of them; each
     zoo entry against the objective its fix computes, every other target against the token mean."""
-    optional = [t for t in OPTIONAL_PEERS if installed(t)]
-    targets = ZOO_TARGETS + PEER_TARGETS + USER_STEPS + optional
+    targets = ZOO_TARGETS + OWN_TARGETS + USER_STEPS
     objectives = {t: "token-mean" for t in targets} | {name: e.objective for e in ZOO for name in (e.name, e.fixed)}
     return audit_many(targets, world_sizes=(1, 2, 4), accumulations=(1, 4), objective=objectives)
+
+
+@pytest.fixture(scope="module")
+def frameworks_audited():
+    """The frameworks' own steps (transformers, Accelerate, and TRL and torchtune where installed), the same grid:
+    the heaviest audits, in `make test-frameworks`."""
+    optional = [t for t in OPTIONAL_PEERS if installed(t)]
+    return audit_many(FRAMEWORK_TARGETS + optional, world_sizes=(1, 2, 4), accumulations=(1, 4))
 
 
 @pytest.mark.distributed
@@ -356,42 +363,42 @@ def test_the_docs_example_step_is_flagged_at_one_over_k_from_the_command_line(tm
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
-def test_hf_trainer_passes_with_token_averaging_and_is_flagged_without_it(audited):
-    on, off = audited["hf_trainer"], audited["hf_trainer_no_token_average"]
+@pytest.mark.frameworks
+def test_hf_trainer_passes_with_token_averaging_and_is_flagged_without_it(frameworks_audited):
+    on, off = frameworks_audited["hf_trainer"], frameworks_audited["hf_trainer_no_token_average"]
     assert all(r.ok for r in on), report("hf_trainer", on, TOLERANCE)
     assert all(r.ok for r in off if r.world_size == 1)  # one rank: its own count is the global one
     assert all(not r.ok for r in off if r.world_size > 1), report("hf_trainer_no_token_average", off, TOLERANCE)
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
-def test_accelerates_first_loop_means_per_micro_batch_and_its_variable_size_example_counts_unshifted(audited):
-    first = {(r.world_size, r.accumulation): r for r in audited["accelerate_docs_loop"]}
+@pytest.mark.frameworks
+def test_accelerates_first_loop_means_per_micro_batch_and_its_example_counts_unshifted(frameworks_audited):
+    first = {(r.world_size, r.accumulation): r for r in frameworks_audited["accelerate_docs_loop"]}
     assert first[1, 1].ok and all(not r.ok for key, r in first.items() if key != (1, 1))
     assert "per-micro-batch token means x1" in first[1, 4].reasons[0]
-    for r in audited["accelerate_token_loop"]:  # right at every layout but for the one label at position 0
+    for r in frameworks_audited["accelerate_token_loop"]:  # right at every layout but for the one label at position 0
         tokens = sum(map(sum, r.tokens))
         assert r.c == pytest.approx(tokens / (tokens + 1), rel=1e-5) and r.residual < TOLERANCE
         assert "one token too many in the count" in r.reasons[0]
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
-def test_trl_passes_and_torchtune_weighs_the_micro_batch_with_a_first_label_apart(audited):
+@pytest.mark.frameworks
+def test_trl_passes_and_torchtune_weighs_the_micro_batch_with_a_first_label_apart(frameworks_audited):
     """torchtune 0.6.1 multiplies each micro-batch's mean loss by a count taken on unshifted labels (its recipe's
     line 778): the micro-batch holding the batch's one label at position 0 weighs (T_mb + 1) / T_mb as much as the
     rest, every weight over the global count T + 1. Right wherever one micro-batch alone trains."""
     if not all(installed(t) for t in OPTIONAL_PEERS):
         pytest.skip("the peers are not installed (make peers)")
-    assert all(r.ok for r in audited["trl_sft"]), report("trl_sft", audited["trl_sft"], TOLERANCE)
-    for r in audited["torchtune"]:
+    assert all(r.ok for r in frameworks_audited["trl_sft"]), report("trl_sft", frameworks_audited["trl_sft"], TOLERANCE)
+    for r in frameworks_audited["torchtune"]:
         tokens = sum(map(sum, r.tokens))
         alone = sum(t > 0 for rank in r.tokens for t in rank) == 1
-        assert r.ok is alone, report("torchtune", audited["torchtune"], TOLERANCE)
+        assert r.ok is alone, report("torchtune", frameworks_audited["torchtune"], TOLERANCE)
         if not alone:
             assert f"the rest x{tokens / (tokens + 1):.4g}" in r.reasons[0] and r.residual < 0.05, r.reasons
-    for r in audited["torchtune_pr2172"]:
+    for r in frameworks_audited["torchtune_pr2172"]:
         assert r.c == pytest.approx(1 / r.world_size, rel=0.02) and r.ok is ((r.world_size, r.accumulation) == (1, 1))
 
 

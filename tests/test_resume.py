@@ -169,3 +169,27 @@ def test_a_checkpoint_holding_a_pickled_object_is_refused_in_one_line_and_runs_n
     assert "\n" not in message and message.startswith(f"error: {tmp_path / 'checkpoint.pt'}: refused")
     assert "GLOBAL posix.system" in message and "remove it to start this run afresh" in message
     assert not marker.exists()
+
+
+def test_a_refused_run_ends_its_log_with_the_reason(tmp_path, monkeypatch, caplog):
+    """The last line a failed run logs says why (it once said "failed: None" after the refusal)."""
+    import logging
+
+    from omegaconf import OmegaConf
+
+    from gradscale import run
+    from gradscale.checkpoint import CheckpointError
+    from gradscale.hydra_glue import compose
+
+    def refuse(*args, **kwargs):
+        raise CheckpointError(f"error: {tmp_path / 'checkpoint.pt'}: refused (it holds GLOBAL posix.system)")
+
+    monkeypatch.setattr(run, "run_job", refuse)
+    hydra_cfg = OmegaConf.create({"runtime": {"output_dir": str(tmp_path)}, "overrides": {"task": []},
+                                  "mode": {"name": "MULTIRUN"}, "sweep": {"dir": str(tmp_path)},
+                                  "job": {"override_dirname": "seed=0"}})
+    with caplog.at_level(logging.INFO, logger="gradscale"), pytest.raises(run.RunFailed):
+        run.run_folder_job(compose([*TINY, "wandb.mode=disabled"]), hydra_cfg, is_main=True)
+    last = caplog.records[-1].getMessage()
+    assert last.startswith(f"failed: CheckpointError: error: {tmp_path / 'checkpoint.pt'}: refused"), last
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"

@@ -52,7 +52,8 @@ def verdict(target: str, results: list[Result], tolerance: float) -> str:
     failed = [r for r in results if not r.ok]
     if not failed:
         what = ("its own gradient at N = 1, K = 1 (the gradient does not depend on how the global batch is split)"
-                if reference.startswith("layout") else f"the {reference} gradient")
+                if reference.startswith("layout") else
+                f"the {'global token-mean' if reference == 'token-mean' else reference} gradient")
         return (f"{target}: every configuration gives {what} (c = 1, residual, groups and logged norm within "
                 f"{tolerance:g})")
     head = f"{target}: {len(failed)} of {len(results)} configurations FAIL"
