@@ -73,7 +73,7 @@ def compare(result: Result, grads: list[dict[str, torch.Tensor]], logged: list[f
     """Fill result's numbers and verdict from every rank's gradient and logged norm, against `reference` (named
     `reference_name` in the reasons). baseline: the step's own N = 1, K = 1 gradient, to tell an objective other
     than the reference's (the same at every layout) from a layout bug. Where the gradient fails it is fitted
-    against suspects ({what the step computes: its gradient at this layout}, first match named) and then against
+    against suspects ({what the step computes: its gradient at this layout}, each match named) and then against
     any weighting of the micro-batches (slots: {(rank, micro-batch): the gradient of its token sum over the global
     count}), which names a rank or micro-batch weighted apart."""
     from gradscale.theory import tensor_group
