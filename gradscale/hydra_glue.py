@@ -64,8 +64,8 @@ def unknown_key_problem(cfg: DictConfig, key: str) -> str | None:
 def refuse_unknown_keys() -> None:
     """Hydra lets `+key=value` add any key, so a typo such as `+stpes=10` would run with it ignored, and
     answers one without `+` in five lines. Every override of a config key must name a key of the composed
-    config: otherwise one line, exit 2, before any folder exists. (Hooks Hydra's override step: Hydra 1.3
-    has no callback between composing and applying overrides.)"""
+    config, and a value of the key's type: otherwise one line, exit 2, before any folder exists. (Hooks
+    Hydra's override step: Hydra 1.3 has no callback between composing and applying overrides.)"""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     apply = ConfigLoaderImpl._apply_overrides_to_config
@@ -73,6 +73,9 @@ def refuse_unknown_keys() -> None:
         return
 
     def checked(overrides, cfg: DictConfig) -> None:
+        from hydra.errors import ConfigCompositionException
+        from omegaconf.errors import ValidationError
+
         for override in overrides:
             if override.is_hydra_override() or override.is_delete() or override.package is not None:
                 continue
@@ -80,7 +83,14 @@ def refuse_unknown_keys() -> None:
             if problem:
                 print(problem, file=sys.stderr, flush=True)
                 sys.exit(2)
-        apply(overrides, cfg)
+        try:
+            apply(overrides, cfg)
+        except ConfigCompositionException as e:  # a value of the wrong type (fix=maybe, steps=abc): one line, exit 2
+            if not isinstance(e.__cause__, ValidationError):
+                raise
+            which = str(e).removeprefix("Error merging override ").strip()
+            print(f"error: {which} is not allowed: {str(e.__cause__).splitlines()[0]}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
     checked.refuses_unknown_keys = True
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(checked)

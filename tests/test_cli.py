@@ -132,6 +132,8 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(cli, tmp_path):
         ("finetune=lora finetune.target_modules=[wq]", "finetune.target_modules=['wq']"),
         ("+model.recommended.lr.adamx=1e-5", "model.recommended.lr.adamx"),
         ("+model.recommended.warmup=10", "model.recommended.warmup"),
+        ("fix=maybe", "fix=maybe is not allowed: Value 'maybe' is not a valid bool"),  # a typed key's bad value
+        ("steps=abc", "steps=abc is not allowed: Value 'abc' of type 'str' could not be converted to Integer"),
     ],
 )
 def test_bad_value_is_refused_with_one_line(cli, tmp_path, override, expected):
@@ -141,7 +143,7 @@ def test_bad_value_is_refused_with_one_line(cli, tmp_path, override, expected):
     if data_path:
         expected = "data.path='/nonexistent/train.jsonl'"
     proc = cli([*args, f"hydra.run.dir={run_dir}"])
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
@@ -172,7 +174,8 @@ def test_unknown_group_choice_is_one_line_naming_the_choices(cli, tmp_path, args
 
 def test_wrong_type_names_the_type(cli, tmp_path):
     proc = cli(["scale=abc", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert proc.returncode != 0 and "could not be converted to Float" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip() == ("error: scale=abc is not allowed: Value 'abc' of type "
+                                                            "'str' could not be converted to Float")
 
 
 @pytest.mark.parametrize(("args", "expected"), [
