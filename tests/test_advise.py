@@ -262,3 +262,20 @@ def test_memory_estimate_counts_parameters_on_the_meta_device():
     estimate = memory.estimate(full, "cpu", optimizer_state=True, sequences_per_forward=8)
     assert estimate.weights == estimate.gradients == 4 * 134515008 and estimate.optimizer_state > 8 * 134515008
     assert memory.estimate(full, "cpu", optimizer_state=False, sequences_per_forward=8).optimizer_state == 0
+
+
+@pytest.mark.parametrize("step", [0, 19])
+def test_the_table_says_what_its_eps_answers_and_that_step_0_understates(step):
+    """"eps within 1%" is a tolerance at the measured step, not the exact repair eps x c, which the output gives
+    beside it; a table from step 0 (gradient-only) says that step understates the cut."""
+    from gradscale.analysis.advise import format_advice
+
+    prediction = {"update_rms_ratio": 0.95, "eps_dominated_share": 0.01, "largest_eps_within_1pct": 1.2e-10,
+                  "groups": {}}
+    advice = {"run": "r", "eps": 1e-8, "steps": [{"step": step, "predictions": [{**prediction, "c": 1 / 8},
+                                                                                {**prediction, "c": 1 / 64}]}]}
+    text = format_advice(advice, ["N=8", "N=64"])
+    assert f"a tolerance, the largest eps that keeps the update within 1% of the fixed run's at step {step}" in text
+    assert "the exact repair without the fix is eps x c (eps / N for the world-size bug: N=8: 1.25e-9, N=64: " \
+           "1.56e-10)" in text
+    assert ("step 0 (gradient-only) understates the cut" in text) is (step == 0)

@@ -262,10 +262,17 @@ def format_advice(advice: dict, labels: list[str]) -> str:
                      verdict(p["update_rms_ratio"]), short_number(p['largest_eps_within_1pct'], 2),
                      ", ".join(f"{g} {v['update_rms_ratio']:.3f}" for g, v in first) or "-"))
     header = ("", "update ratio", "eps-dominated", "verdict", "eps within 1%", "goes first (group update ratio)")
+    repairs = ", ".join(f"{label}: {short_number(advice['eps'] * p['c'], 3)}"
+                        for label, p in zip(labels, last["predictions"], strict=True))
+    step_zero = ("\nstep 0 (gradient-only) understates the cut: the rare rows' sqrt(v_hat) falls as steps go by "
+                 "without their tokens; the 20-step mode gives the number" if last["step"] == 0 else "")
     return (f"{advice['run']}: AdamW, eps = {short_number(advice['eps'])}, predicted from the sqrt(v_hat) histograms "
             f"of step {last['step']} (the last of {len(advice['steps'])} recorded)\n"
-            f"verdict: update ratio >= {WITHIN} within 1%, >= {BROKEN} noticeable, below broken; "
-            "eps within 1%: the largest eps that keeps it within 1%\n\n" + render_table(header, rows))
+            f"verdict: update ratio >= {WITHIN} within 1%, >= {BROKEN} noticeable, below broken\n"
+            f"eps within 1%: a tolerance, the largest eps that keeps the update within 1% of the fixed run's at step "
+            f"{last['step']}; the exact repair without the fix is eps x c (eps / N for the world-size bug: {repairs}), "
+            f"which gives the fixed run's update at every step (with max_norm x c where the loop clips)"
+            f"{step_zero}\n\n" + render_table(header, rows))
 
 
 def plot_advice(advice: dict, labels_n: list[float], measured: list[tuple[float, float, str]] | None = None):
