@@ -220,7 +220,7 @@ def test_a_base_longer_to_build_than_a_run_may_start_unasked_is_refused_with_the
     (["model.hidden_size=100", "model.num_attention_heads=3"], "error: model.hidden_size=100 is not allowed: a "
                                                                "multiple of model.num_attention_heads=3"),
     (["nope=1"], "error: nope is not a config key"),
-    (["model.hidden_size=abc"], "error: Error merging override model.hidden_size=abc: Value 'abc'"),
+    (["model.hidden_size=abc"], "error: model.hidden_size=abc is not allowed: Value 'abc'"),
     (["model.pretrain.steps=0"], "error: model.pretrain.steps=0 is not allowed: must be an integer >= 1"),
 ])
 def test_experiments_pretrain_refuses_bad_overrides_in_one_line_before_building(tmp_path, args, says):
