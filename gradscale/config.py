@@ -211,6 +211,7 @@ class Config:
     eval_batches: int = 4
     adam_stats_every: int | None = 50  # per-tensor sqrt(v_hat) quantiles -> adam_stats.jsonl; null: off
     checkpoint_every: int | None = 50  # checkpoint.pt for resuming a killed run; null: off
+    check_memory: bool = True  # refuse up front a run the device cannot hold (gradscale/memory.py); false: go on
 
 
 # ---------------------------------------------------------------------------------------------

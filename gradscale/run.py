@@ -88,11 +88,40 @@ def git_commit() -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
-def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | None = None) -> dict[str, Any]:
-    """Check the config, build the job, train it, and return the summary fields.
+def jobs_side_by_side(hydra_cfg) -> int:
+    """The jobs that start with this one, none of which holds its memory yet: the parallel launcher's first
+    n_jobs (a later job starts as one ends, beside jobs that hold theirs already); else this one."""
+    n_jobs = OmegaConf.select(hydra_cfg, "launcher.n_jobs", default=None)
+    if n_jobs is None:
+        return 1
+    n_jobs = (os.cpu_count() or 1) if n_jobs < 1 else n_jobs  # joblib: -1 is every core
+    return n_jobs if hydra_cfg.job.num < n_jobs else 1
+
+
+def check_memory(cfg: Config, side_by_side: int) -> None:
+    """The run's memory estimate (gradscale.memory, the advisor's) for the processes that start together
+    against what the device has free, before anything is loaded: one line when it will not fit."""
+    from gradscale import memory
+    from gradscale.config import torchrun_world_size
+    from gradscale.parallel import device_for
+
+    device_type = device_for(cfg.device).type
+    ranks = torchrun_world_size() or 1
+    processes = side_by_side * (int(os.environ.get("LOCAL_WORLD_SIZE", ranks)) if device_type == "cpu" else 1)
+    needed = memory.run_estimate(cfg, device_type, ranks)
+    advice = "lower batch_size or seq_len, raise grad_accum, a smaller model, or check_memory=false to go on"
+    free = memory.check_fits(needed, device_type, "this run", advice, copies=processes)
+    side = f", {processes} processes side by side" if processes > 1 else ""
+    log.info("memory: about %s estimated on %s%s; %s", needed.describe(), device_type, side, free)
+
+
+def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | None = None,
+            side_by_side: int = 1) -> dict[str, Any]:
+    """Check the config and the memory it needs, build the job, train it, and return the summary fields.
 
     overrides: the job's command-line overrides (an explicit world_size must agree with torchrun's).
-    run_dir: where checkpoints go (every cfg.checkpoint_every steps); a checkpoint there is resumed from."""
+    run_dir: where checkpoints go (every cfg.checkpoint_every steps); a checkpoint there is resumed from.
+    side_by_side: the jobs starting together with this one (jobs_side_by_side)."""
     import torch
 
     from gradscale import checkpoint
@@ -104,6 +133,8 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
 
     validate(cfg, list(overrides))
     check_environment(cfg)
+    if cfg.check_memory:
+        check_memory(cfg, side_by_side)
     source = prepare_weights(cfg.model)  # fetched, converted or pretrained first when not cached
     job = build_job(cfg, resolve_world_size(cfg.world_size, list(overrides)), source=source)
     ranks, pipeline = job.ranks, job.pipeline
@@ -173,7 +204,7 @@ def run_folder_job(cfg: DictConfig, hydra_cfg, is_main: bool) -> str:
                 tags=[run_cfg.optimizer.name, f"scale={run_cfg.scale:g}", f"fix={run_cfg.fix}", *run_cfg.wandb.tags],
                 config=OmegaConf.to_container(cfg, resolve=True),
             )
-        summary.update(run_job(run_cfg, run_log, overrides, run_dir))
+        summary.update(run_job(run_cfg, run_log, overrides, run_dir, jobs_side_by_side(hydra_cfg)))
     except Terminated as e:
         summary["error"] = str(e)
         raise

@@ -5,6 +5,7 @@ and output folders. Each gets one line on stderr naming the value, a non-zero ex
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -103,3 +104,52 @@ def test_each_data_file_is_read_once_while_it_stays_the_same(tmp_path, monkeypat
     with pytest.raises(ConfigError, match="line 4 is not JSON"):
         config.validate(compose([*TINY, "data=jsonl", f"data.path={path}"]), overrides=[])
     assert len(reads) == 2
+
+
+def test_a_run_that_cannot_fit_is_refused_in_one_line_before_anything_loads(cli, tmp_path):
+    """Llama 3.2 3B at 512 x 8192 tokens: terabytes of activations on any machine. One line with the estimate
+    and what is free, exit 1, and nothing fetched, built or pretrained (the run's cache stays empty)."""
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    cache.mkdir()
+    proc = cli(["model=llama3_2_3b", "batch_size=512", "seq_len=8192", "steps=1", f"hydra.run.dir={run_dir}"],
+               extra_env={"GRADSCALE_CACHE": str(cache)})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert re.match(r"error: this run needs about \d+ GiB \(weights 12, gradients 12, optimizer state 37, "
+                    r"activations \d+, framework 0.5\) on cpu; this machine has [\d.]+ GiB available "
+                    r"\(this process holds [\d.]+\): .*check_memory=false to go on", lines[0]), lines[0]
+    assert list(cache.iterdir()) == []
+    assert "parameters" not in (run_dir / "run.log").read_text()  # the model-built line never came
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
+
+
+def test_the_memory_check_counts_the_jobs_that_start_together_and_check_memory_false_goes_on(tmp_path, monkeypatch):
+    """The same estimate as the advisor's; a parallel launcher's first wave counts n_jobs copies, a later job one;
+    check_memory=false runs what the check refuses."""
+    from omegaconf import OmegaConf
+
+    from gradscale import memory
+    from gradscale.checks import ConfigError
+    from gradscale.hydra_glue import to_object
+    from gradscale.run import check_memory, jobs_side_by_side
+    from tests.conftest import TINY, compose, run_in_process
+
+    def hydra_cfg(n_jobs, num):
+        return OmegaConf.create({"launcher": {} if n_jobs is None else {"n_jobs": n_jobs}, "job": {"num": num}})
+
+    cases = [(None, 0), (2, 0), (2, 1), (2, 2), (4, 3)]
+    assert [jobs_side_by_side(hydra_cfg(n_jobs, num)) for n_jobs, num in cases] == [1, 2, 2, 1, 4]
+    cfg = to_object(compose(TINY))
+    needed = memory.run_estimate(cfg, "cpu", 1).total
+    assert needed == memory.estimate(cfg, "cpu", optimizer_state=True, sequences_per_forward=cfg.batch_size).total
+    monkeypatch.setattr(memory, "free_memory", lambda device_type: (int(1.5 * needed), "1.5 estimates free"))
+    check_memory(cfg, side_by_side=1)  # fits
+    side_by_side = r"^error: this run needs about [\d.]+ GiB, 2 processes side by side of [\d.]+ GiB \(weights "
+    with pytest.raises(ConfigError, match=side_by_side):
+        check_memory(cfg, side_by_side=2)
+    monkeypatch.setattr(memory, "free_memory", lambda device_type: (1 << 20, "1 MiB free"))
+    with pytest.raises(ConfigError, match=r"^error: this run needs about .*; 1 MiB free: "):
+        run_in_process(tmp_path / "refused", [])
+    result, _ = run_in_process(tmp_path / "anyway", ["check_memory=false"])
+    assert result["steps_done"] == 4

@@ -380,3 +380,15 @@ def test_the_readme_quotes_the_default_sweeps_committed_report():
     adamw = summary[summary.setup == "adamw"].set_index("c_eff")["max abs Δloss vs ref"]
     assert f"max |Δ loss| {short_number(adamw[0.125], 2)} at 1/8, {short_number(adamw[8.0], 2)} at 8" in readme
     assert adamw[1.0].tolist() == [0.0, 0.0]  # fix off at scale 8 is fix on at scale 1, bit for bit
+
+
+def test_the_readme_answers_does_it_matter_on_its_first_screen():
+    """A reader who asks "does it matter for me?" finds the answer before the set-up and the sweep's transcript."""
+    from tests.conftest import ROOT
+
+    lines = (ROOT / "README.md").read_text().splitlines()
+    headings = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    answer = lines.index("## Will it matter for me?")
+    assert answer == headings[0] and answer < 60
+    assert next(i for i, line in enumerate(lines) if line.startswith("**In short**")) < 60
+    assert answer < lines.index("## First steps")

@@ -49,6 +49,20 @@ def test_help_lists_every_option_of_each_group_and_marks_the_one_in_use(cli):
     assert "sgd*" in groups and "adamw*" not in groups and "basic*" in groups and "llama3_2_tiny*" in groups
 
 
+def test_help_says_which_model_presets_have_pretrained_weights(cli):
+    """Read from each preset's file: the 1B/3B presets are random weights (a user expecting Llama's would
+    otherwise find out from the loss)."""
+    from omegaconf import OmegaConf
+
+    text = cli(["--help"]).stdout
+    for path in sorted((CONF / "model").glob("*.yaml")):
+        line = re.search(rf"^ +{path.stem}\*? +(.+)$", text, flags=re.MULTILINE)
+        assert line, path.stem
+        random_init = OmegaConf.load(path).get("init") == "random"
+        assert line.group(1).startswith("random weights" if random_init else "pretrained:"), line.group(0)
+    assert re.search(r"^ +llama3_2_3b +random weights: the real ones need model.path=DIR", text, flags=re.MULTILINE)
+
+
 @pytest.mark.parametrize("overrides", [[], ["optimizer=sgd"], ["optimizer=lion", "scale=8", "fix=false"]])
 def test_listed_values_are_the_composed_configs(cli, overrides):
     """Every `key=value` the help lists, read as the override a user would type, is the config's value."""
