@@ -288,7 +288,7 @@ def entry_provenance(directory: Path) -> dict:
     from gradscale.metrics import write_json_atomic
 
     files = weight_files(directory)
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
         record = json.loads((directory / PROVENANCE_FILE).read_text())
         if record.get("files") == file_stamps(files):
             return record
