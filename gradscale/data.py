@@ -350,9 +350,13 @@ class Batches:
         idx = self.indices(step)
         return self.train.inputs[idx], self.train.targets[idx]
 
+    def eval_size(self, max_batches: int) -> tuple[int, int]:
+        """(sequences, tokens per sequence) of an eval of at most max_batches batches."""
+        return min(len(self.eval), max_batches * self.batch_size), self.eval.inputs.shape[1]
+
     def eval_batches(self, max_batches: int):
         """The held-out split in order, the same batches at every eval."""
-        for start in range(0, min(len(self.eval), max_batches * self.batch_size), self.batch_size):
+        for start in range(0, self.eval_size(max_batches)[0], self.batch_size):
             yield self.eval.inputs[start : start + self.batch_size], self.eval.targets[start : start + self.batch_size]
 
 

