@@ -97,19 +97,22 @@ def test_curve_plots(maker, n_axes):
     if maker is plots.loss_curves:
         assert [len(ax.get_lines()) for ax in axes] == [2, 2]  # one line per scale
     if maker is plots.divergence:
-        data = [[line for line in ax.get_lines() if line.get_gid() != "floor"] for ax in axes]
+        data = [[line for line in ax.get_lines() if line.get_gid() is None] for ax in axes]
         assert [len(lines) for lines in data] == [1, 1]  # the reference itself is not drawn
         assert axes[0].get_yscale() == "log"
-        assert data[0][0].get_ydata()[0] == plots.FLOOR  # the exact zero at step 0, on the named floor
+        # the exact zero at step 0: a hollow marker on the named floor, and the line starts after it
+        on_floor, = [line for line in axes[0].get_lines() if line.get_gid() == "on floor"]
+        assert list(on_floor.get_xdata()) == [0] and on_floor.get_ydata()[0] == plots.FLOOR
+        assert on_floor.get_markerfacecolor() == "none" and np.isnan(data[0][0].get_ydata()[0])
         assert axes[0].get_shared_y_axes().joined(axes[0], axes[1])  # sizes compare across panels
     if maker is plots.grad_norm_ratio:
         ratio = axes[0].get_lines()[0].get_ydata()
         assert np.allclose(ratio, 8.0)  # flat at exactly c_eff
         legend = [t.get_text() for t in fig.legends[0].get_texts()]
         assert any("have parted" in t and "not a scaling error" in t for t in legend)  # why SGD's line wobbles
-    if maker is plots.adam_state:  # the share in percent, from 0, at least to 1%: a flat 0 reads as 0%
+    if maker is plots.adam_state:  # the share in percent, from 0 to a little above the largest (4% here)
         share = axes[0]
-        assert share.get_ylim()[0] == 0 and share.get_ylim()[1] >= 0.01
+        assert share.get_ylim() == pytest.approx((0, 1.1 * 0.04))
         assert isinstance(share.yaxis.get_major_formatter(), matplotlib.ticker.PercentFormatter)
 
 
@@ -178,7 +181,7 @@ def test_a_diverged_run_is_cut_and_coinciding_lines_are_named():
     cut = [line for line in sgd.get_lines() if line.get_marker() == "x"]
     assert len(cut) == 1 and cut[0].get_xdata()[0] == 1  # marked where it leaves the others' range
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert "scale=8 (identical to scale=1)" in labels and "scale=64" in labels
+    assert "sgd scale=8 (identical to sgd scale=1)" in labels and "sgd scale=64" in labels
     assert any(label.startswith("diverged") for label in labels)
     fig = plots.divergence(runs, curves)
     assert fig.axes[0].yaxis.get_major_formatter()(1e-4, 0) == "1e-4"  # not 10^-4
@@ -261,7 +264,7 @@ def test_eps_collapse_and_clipping_figures():
     fig = plots.clip_coefficient(clipped, coefs)
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     assert len(lines) == 3
-    assert np.allclose(lines["_child0"].get_ydata(), [1 / (1 + 0.1 * step) for step in range(5)])  # c = 1
+    assert np.allclose(lines["adamw-0.001-1"].get_ydata(), [1 / (1 + 0.1 * step) for step in range(5)])  # c = 1
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert any(text.endswith("clipped at 100% of steps") for text in legend)
 
@@ -323,17 +326,20 @@ def test_load_takes_c_eff_and_the_normalization_from_summary_json(tiny_sweep, tm
 def test_token_frequency_plots_draw_each_bucket_against_the_reference(tiny_sweep, what):
     runs, curves = load(tiny_sweep)
     fig = plots.token_frequency(runs, curves, what)
-    panels = [ax for ax in fig.axes if ax.get_visible() and ax.get_title()]
-    assert [ax.get_title().split()[0] for ax in panels] == ["unseen", "rare", "middle", "frequent"]
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible() and ax.get_title()}
+    assert [title.split()[:2] for title in panels] == [[f"{o}:", b] for o in ("sgd", "adamw")
+                                                       for b in ("unseen", "rare", "middle", "frequent")]
     paired = [(r, ref) for r, ref in zip(runs.run, pair_references(runs)) if ref is not None and ref != r]
-    rare = panels[1]
-    drawn = [line for line in rare.get_lines() if line.get_gid() != "level"]  # 0 (loss) or 1 (update): no run
+    rare = {o: panels[next(t for t in panels if t.startswith(f"{o}: rare"))] for o in ("sgd", "adamw")}
+    drawn = {line.get_label(): line for ax in rare.values() for line in ax.get_lines()
+             if line.get_gid() != "level"}  # 0 (loss) or 1 (update): no run
     assert len(drawn) == len(paired) == 4
     run, ref = paired[0]
+    assert drawn[run] in rare[runs.set_index("run").optimizer[run]].get_lines()  # in its optimizer's panel
     metric = "eval/loss_rare" if what == "loss" else "train/output_update_rms_rare"
     expected = curve(curves, run, metric) - curve(curves, ref, metric) if what == "loss" else \
         curve(curves, run, metric) / curve(curves, ref, metric)
-    assert np.allclose(drawn[0].get_ydata(), expected.dropna().to_numpy())
+    assert np.allclose(drawn[run].get_ydata(), expected.dropna().to_numpy())
 
 
 def test_report_writes_figures_and_markdown(tiny_sweep, tmp_path):
@@ -574,13 +580,163 @@ def test_a_legend_label_longer_than_the_figure_wraps_inside_it():
 
 
 def test_advisor_along_run_draws_predicted_and_measured_per_run():
-    advisor = pd.DataFrame([{"run": "r8", "setup": "adamw", "c_eff": 0.125, "step": step, "predicted": p, "measured": m,
-                             "error": p / m - 1} for step, p, m in ((0, 0.97, 0.96), (50, 0.91, 0.92))])
-    fig = plots.advisor_along_run(advisor)
+    runs, _ = synthetic(optimizers=("adamw",), c_values=(1.0, 0.125))
+    advisor = pd.DataFrame([{"run": "adamw-0.001-0.125", "setup": "adamw", "c_eff": 0.125, "step": step, "predicted": p,
+                             "measured": m, "error": p / m - 1} for step, p, m in ((0, 0.97, 0.96), (50, 0.91, 0.92))])
+    fig = plots.advisor_along_run(advisor, runs)
     measured, predicted = [line for line in fig.axes[0].get_lines() if line.get_linestyle() != ":"]
     assert list(measured.get_ydata()) == [0.96, 0.92] and list(predicted.get_ydata()) == [0.97, 0.91]
     assert predicted.get_linestyle() == "--"
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     worst = max(abs(0.97 / 0.96 - 1), abs(0.91 / 0.92 - 1))
-    assert legend == [f"adamw c_eff=0.125: largest |predicted / measured - 1| {plots.short_number(worst, 2)}"]
+    assert legend == [f"adamw scale=0.125: largest |predicted / measured - 1| {plots.short_number(worst, 2)}"]
 
+
+
+def with_buckets(runs: pd.DataFrame, curves: pd.DataFrame, spread: dict[str, float]) -> pd.DataFrame:
+    """curves plus held-out loss and output-row update per token-frequency bucket at steps 2 and 4, each run off
+    its reference by log2(c) x spread[optimizer]: SGD's differences orders larger than AdamW's."""
+    from gradscale.records import BUCKETS, eval_loss_of, output_update_rms_of
+
+    rows = [(r.run, step, metric(bucket), base + spread[r.optimizer] * math.log2(r.c_eff) * step)
+            for r in runs.itertuples() for step in (2, 4) for bucket in BUCKETS
+            for metric, base in ((eval_loss_of, 3.0), (output_update_rms_of, 1.0))]
+    return pd.concat([curves, pd.DataFrame(rows, columns=curves.columns)], ignore_index=True)
+
+
+def run_looks(fig) -> dict[str, tuple]:
+    """Each run's (colour, marker, line style) in a figure, read off the lines labelled with its name; a run
+    drawn in two looks in one figure fails here."""
+    looks: dict[str, set] = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            if not line.get_label().startswith("_"):
+                looks.setdefault(line.get_label(), set()).add(
+                    (matplotlib.colors.to_hex(line.get_color()), line.get_marker(), line.get_linestyle()))
+    assert all(len(seen) == 1 for seen in looks.values()), looks
+    return {run: seen.pop() for run, seen in looks.items()}
+
+
+def undrawn_swatches(fig) -> list[str]:
+    """Legend entries whose swatch matches nothing drawn: a coloured one (a run's) no artist in its colour, a
+    band's (a patch, or a line 5 points wide or more) no shaded area in its colour; a black or grey one (a key
+    to a shape: the x of a diverged run, the dotted c_eff, the hollow floor marker, drawn in each run's colour)
+    no line with its line style, marker or hollow marker."""
+    def color(c) -> str:
+        return matplotlib.colors.to_hex(c, keep_alpha=False)
+
+    def shapes(line) -> set:
+        return ({("ls", line.get_linestyle())} - {("ls", "None")}) | ({("marker", line.get_marker())} - {
+            ("marker", "None"), ("marker", "")}) | ({("hollow",)} if line.get_markerfacecolor() == "none" else set())
+
+    colours, shaded, drawn_shapes = set(), set(), set()
+    for ax in fig.axes:
+        lines = [line for line in ax.get_lines() if len(line.get_xdata())]
+        colours |= {color(line.get_color()) for line in lines} | {color(line.get_markeredgecolor()) for line in lines}
+        shaded |= {color(patch.get_facecolor()) for patch in ax.patches}
+        shaded |= {color(fc) for c in ax.collections for fc in c.get_facecolor()}
+        drawn_shapes |= {shape for line in lines for shape in shapes(line)}
+    missing = []
+    for handle, text in zip(fig.legends[0].legend_handles, fig.legends[0].get_texts()):
+        if isinstance(handle, matplotlib.lines.Line2D) and handle.get_linewidth() < 5:
+            if not shapes(handle):
+                continue  # text alone: a note
+            rgb = matplotlib.colors.to_rgb(handle.get_color())
+            drawn = shapes(handle) & drawn_shapes if max(rgb) == min(rgb) else {color(handle.get_color())} & colours
+        else:
+            drawn = {color(handle.get_color() if isinstance(handle, matplotlib.lines.Line2D)
+                           else handle.get_facecolor())} & shaded
+        if not drawn:
+            missing.append(text.get_text())
+    return missing
+
+
+def test_each_run_wears_one_look_in_every_figure_and_none_shares_it():
+    """The colour mapping across figures: a run's colour, marker and line style are one in loss_curves,
+    divergence, grad_norm_ratio, adam_state and token_frequency, whatever each figure draws first (divergence
+    leaves the references out; adam_state the SGD runs), and no two runs share them."""
+    runs, curves = synthetic(c_values=(1.0, 8.0))
+    bug = runs[runs.scale == 8.0].assign(run=lambda t: t.run + "-nofix", scale=1.0, fix=False, c_eff=1 / 8,
+                                         normalization="global_tokens_no_world_fix")
+    curves = pd.concat([curves, curves[curves.run.isin(runs.run[runs.scale == 8.0])].assign(
+        run=lambda t: t.run + "-nofix")], ignore_index=True)
+    runs = pd.concat([runs, bug], ignore_index=True)
+    curves = with_buckets(runs, curves, {"sgd": 0.5, "adamw": 1e-3})
+    figures = {"loss_curves": plots.loss_curves(runs, curves), "divergence": plots.divergence(runs, curves),
+               "grad_norm_ratio": plots.grad_norm_ratio(runs, curves), "adam_state": plots.adam_state(runs, curves),
+               "token_frequency": plots.token_frequency(runs, curves, "loss")}
+    looks = {name: run_looks(fig) for name, fig in figures.items()}
+    everyone = looks["loss_curves"]
+    assert set(everyone) == set(runs.run) and len(set(everyone.values())) == len(runs)  # one look per run
+    for name, seen in looks.items():
+        assert seen and {run: everyone[run] for run in seen} == seen, name
+    assert "sgd-0.001-1" not in looks["divergence"]  # a reference is not drawn against itself
+    assert set(looks["adam_state"]) == set(runs.run[runs.optimizer == "adamw"])
+    # a line through several runs wears one of theirs: the breakdown's sgd line, its reference's
+    breakdown = plots.breakdown(runs, curves)
+    sgd_line = next(line for line in breakdown.axes[0].get_lines() if line.get_gid() is None)
+    assert (matplotlib.colors.to_hex(sgd_line.get_color()), sgd_line.get_marker()) == everyone["sgd-0.001-1"][:2]
+
+
+def test_an_adam_state_panel_of_zeros_is_left_out_and_a_tiny_share_is_rescaled():
+    runs, curves = synthetic(optimizers=("adamw",))
+    share = curves.metric == "adam/eps_dominated_frac"
+    curves.loc[share, "value"] = 0.0  # no coordinate eps-dominated (the default sweep's tiny model)
+    fig = plots.adam_state(runs, curves)
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["update RMS"]
+    assert "share's panel left out" in fig.get_suptitle()
+    curves.loc[share, "value"] = curves.loc[share, "step"] * 1e-6  # up to 4e-6: drawn from 0 to it, not on 1%
+    share_ax = next(ax for ax in plots.adam_state(runs, curves).axes if ax.get_title() == "eps-dominated share")
+    assert share_ax.get_ylim() == pytest.approx((0, 1.1 * 4e-6))
+
+
+def test_token_frequency_gives_each_optimizer_its_own_y_axis():
+    """SGD's bucket differences are 500 times AdamW's here: on one axis AdamW's lines would lie on the 0 line."""
+    runs, curves = synthetic(c_values=(1.0, 8.0))
+    curves = with_buckets(runs, curves, {"sgd": 0.5, "adamw": 1e-3})
+    for what, level in (("loss", 0.0), ("update", 1.0)):
+        fig = plots.token_frequency(runs, curves, what)
+        panels = {ax.get_title(): ax for ax in fig.axes if ax.get_visible()}
+        assert list(panels) == [f"{o}: {b}" for o in ("sgd", "adamw") for b in (
+            "unseen (0 times)", "rare (1-9 times)", "middle (10-99 times)", "frequent (>= 100 times)")]
+        adamw, sgd = panels["adamw: rare (1-9 times)"], panels["sgd: rare (1-9 times)"]
+        assert not adamw.get_shared_y_axes().joined(adamw, sgd)
+        assert adamw.get_shared_y_axes().joined(adamw, panels["adamw: frequent (>= 100 times)"])
+        low, high = adamw.get_ylim()  # AdamW's largest difference (3e-3 x 4 steps) fills its axis
+        assert high - low < 0.05 and max(abs(low - level), abs(high - level)) > 0.01
+        assert sgd.get_ylim()[1] - sgd.get_ylim()[0] > 1
+
+
+def test_breakdown_draws_an_exact_zero_on_the_floor_and_joins_no_line_through_it():
+    """Three runs at c = 1/8, 1, 8, the middle one the reference (exactly 0): no V through the floor."""
+    runs, curves = synthetic(c_values=(0.125, 1.0, 8.0), optimizers=("adamw",))
+    fig = plots.breakdown(runs, curves, bands={"adamw": (1e-5, 1e-4)}, onsets={"adamw": 1e-3})
+    ax = fig.axes[0]
+    line, = [line for line in ax.get_lines() if line.get_gid() is None]
+    assert list(line.get_xdata()) == [0.125, 1.0, 8.0] and np.isnan(line.get_ydata()[1])  # broken at the zero
+    assert np.isfinite(line.get_ydata()[[0, 2]]).all()
+    on_floor, = [line for line in ax.get_lines() if line.get_gid() == "on floor"]
+    assert list(on_floor.get_xdata()) == [1.0] and list(on_floor.get_ydata()) == [plots.FLOOR]
+    assert on_floor.get_markerfacecolor() == "none" and on_floor.get_linestyle() == "None"
+    assert [line for line in ax.get_lines() if line.get_gid() == "floor"]  # the floor line the legend names
+    # the band and the onset lie below the sweep: named in words, with no swatch, and not drawn
+    legend = dict(zip([t.get_text() for t in fig.legends[0].get_texts()], fig.legends[0].legend_handles))
+    band = legend["adamw: predicted band at c = 1e-5..1e-4, below this sweep's c_eff: not drawn"]
+    assert band.get_linestyle() == "None" and band.get_marker() in ("None", "")
+    assert not ax.patches and undrawn_swatches(fig) == []
+
+
+def test_a_legend_lists_only_what_is_drawn():
+    runs, curves = synthetic(c_values=(0.125, 1.0, 8.0))
+    curves = with_buckets(runs, curves, {"sgd": 0.5, "adamw": 1e-3})
+    for fig in (plots.loss_curves(runs, curves), plots.divergence(runs, curves), plots.grad_norm_ratio(runs, curves),
+                plots.adam_state(runs, curves), plots.token_frequency(runs, curves, "loss"),
+                plots.breakdown(runs, curves, bands={"adamw": (1e-2, 0.5)}, onsets={"adamw": 1e-4}),
+                plots.breakdown(runs, curves, bands={"adamw": (1e-6, 1e-5)})):  # a band too far out to draw
+        assert undrawn_swatches(fig) == [], fig.get_suptitle()
+    # the negative control: a swatch in a colour nothing is drawn in is caught
+    fig = plots.loss_curves(runs, curves)
+    plots._legend(fig, [matplotlib.patches.Patch(color="#123456", label="a band not drawn")])
+    fig.legends[:] = fig.legends[1:]
+    assert undrawn_swatches(fig) == ["a band not drawn"]

@@ -3,11 +3,13 @@
 What every figure does, so that a reader can compare at a glance:
 - panels that compare setups share their y-axis, so sizes compare across panels;
 - numbers in ticks and legends in one short format (gradscale.runs.short_number: 1e-8, 0.125, 1e4);
-- exact zeros, which a log axis cannot show, sit on a floor line the legend names;
+- exact zeros, which a log axis cannot show, sit as hollow markers on a floor line the legend names, and no
+  line joins them to measured values (a line down to the floor and back would read as a measured dip);
 - a diverged run is cut where it leaves the others' range and marked x there, so it flattens nothing;
-- each line has its own colour, line style and marker (markers staggered), so coinciding lines stay
-  visible, and the legend says "identical to ..." when they coincide exactly;
-- one legend per figure, outside the data.
+- each run has one look (colour, line style and marker: RunLooks) in every figure drawn from the same runs
+  table, and no two runs share one; markers are staggered, so coinciding lines stay visible, and the legend
+  says "identical to ..." when they coincide exactly;
+- no panel that is empty by construction; one legend per figure, outside the data, listing only what is drawn.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from matplotlib.patches import Patch
 from gradscale.analysis.load import curve
 from gradscale.analysis.tables import (
     contrast_references,
+    is_reference,
     max_divergence,
     one_percent_thresholds,
     pair_references,
@@ -53,49 +56,68 @@ FLOOR = 1e-7  # where an exact zero of |Δ loss| is drawn: below float32's resol
 PANEL = (3.9, 2.9)  # inches per panel: two panels side by side stay legible at the README's width
 
 
-class Styles:
-    """One look per label, the same in every panel of a figure; colour, line style and marker all change
-    from one label to the next."""
+class RunLooks:
+    """One look (colour, line style, marker) per run, the same in every figure drawn from one runs table: a run
+    compared with its reference (divergence, ratios, token_frequency) wears its own look, never its reference's.
+    Looks are dealt in a fixed order of the runs (setups in order of appearance, each setup's references first),
+    not in the order a figure asks for them, so no figure's drawing order can move them. A line through several
+    runs (breakdown, lr_axis, ...) wears the look of the first of them in that order: a setup's line wears its
+    reference's."""
 
-    def __init__(self):
-        self.styles: dict[str, dict] = {}
+    def __init__(self, runs: pd.DataFrame):
+        setup_order = {setup: i for i, setup in enumerate(dict.fromkeys(runs.setup))}
+        order = runs.assign(setup_order=runs.setup.map(setup_order), not_reference=~is_reference(runs),
+                            row=np.arange(len(runs)))
+        order = order.sort_values(["setup_order", "not_reference", "row"], kind="stable").run
+        self.rank = {run: i for i, run in enumerate(order)}
 
-    def __call__(self, label: str) -> dict:
-        if label not in self.styles:
-            i = len(self.styles)
-            self.styles[label] = {"color": COLORS[i % len(COLORS)], "ls": LINE_STYLES[i % len(LINE_STYLES)],
-                                  "marker": MARKERS[i % len(MARKERS)]}
-        return self.styles[label]
+    def __call__(self, run: str) -> dict:
+        i = self.rank[run]  # the three cycles' lengths (10, 4, 11) keep the combinations distinct for 220 runs
+        return {"color": COLORS[i % len(COLORS)], "ls": LINE_STYLES[i % len(LINE_STYLES)],
+                "marker": MARKERS[i % len(MARKERS)]}
+
+    def of(self, runs) -> dict:
+        """The look of a line through several runs: its first run's."""
+        return self(min(runs, key=self.rank.__getitem__))
 
 
 class CurveFigure:
-    """Panels of curves sharing one legend: draws each series in its label's style, cut (and marked x) where
-    a diverged run leaves the range of the others, and records what it drew to tell coinciding lines apart."""
+    """Panels of curves sharing one legend: draws each run's series in its look (RunLooks), cut (and marked x)
+    where a diverged run leaves the range of the others, exact zeros of a log axis as hollow markers on the floor,
+    and records what it drew to tell coinciding lines apart."""
 
-    def __init__(self, keys, title: str, sharey: bool = True, log_y: bool = False):
-        self.fig, self.axes = _panels(keys, title, sharey=sharey)
-        self.styles, self.log_y = Styles(), log_y
+    def __init__(self, keys, title: str, looks: RunLooks, sharey: bool = True, log_y: bool = False,
+                 share_by: dict | None = None):
+        self.fig, self.axes = _panels(keys, title, sharey=sharey, share_by=share_by)
+        self.looks, self.log_y = looks, log_y
+        self.legend_runs: dict[str, str] = {}  # label -> run
         self.drawn: dict[tuple[str, str], pd.Series] = {}
         self.diverged = self.zeros = False
 
-    def draw(self, key: str, series: pd.Series, label: str, top: float | None = None, **extra) -> Line2D | None:
+    def draw(self, key: str, series: pd.Series, label: str, run: str, top: float | None = None,
+             **extra) -> Line2D | None:
         series = series.astype(float)
         if series.empty:
             return None
-        ax, style = self.axes[key], self.styles(label)
+        ax, look = self.axes[key], self.looks(run)
         x, y = series.index.to_numpy(), series.to_numpy()
         cut = _first_off_scale(y, top)
         if cut is not None:
             x, y = x[: cut + 1], np.append(y[:cut], top)
-        if self.log_y and (y == 0).any():
-            y, self.zeros = np.where(y == 0, FLOOR, y), True
         every = max(1, len(x) // 6)
-        line, = ax.plot(x, y, color=style["color"], ls=style["ls"], marker=style["marker"], ms=4.5, lw=1.3,
-                        markevery=(len(ax.get_lines()) % every, every), **extra)
+        offset = len(ax.get_lines()) % every
+        if self.log_y:
+            y, zeros = _floor_points(ax, x, y, look, ms=4.5, every=every, offset=offset)
+            self.zeros |= zeros
+        # the artist's label is the run's name (the legend's text is on the figure's handles): ax.legend() in a
+        # notebook, and the tests, can tell each run's line by it
+        line, = ax.plot(x, y, color=look["color"], ls=look["ls"], marker=look["marker"], ms=4.5, lw=1.3,
+                        markevery=(offset, every), label=run, **extra)
         if cut is not None:
-            ax.plot(x[-1:], [top], "x", color=style["color"], ms=9, mew=2, clip_on=False)
+            ax.plot(x[-1:], [top], "x", color=look["color"], ms=9, mew=2, clip_on=False)
             self.diverged = True
         self.drawn[key, label] = series
+        self.legend_runs.setdefault(label, run)
         return line
 
     def finish(self, xlabel: str, ylabel: str, extra_handles=()) -> Figure:
@@ -108,16 +130,15 @@ class CurveFigure:
             if self.log_y:
                 ax.set_yscale("log")
             if self.zeros:
-                ax.axhline(FLOOR, color="0.5", ls=(0, (1, 2)), lw=0.8, gid="floor")
+                _floor_line(ax)
             plain_ticks(ax)
         for ax in list(self.axes.values())[:: self._columns()]:
             ax.set_ylabel(ylabel)
-        handles = [_handle(label + _coincidence(label, self.drawn), style)
-                   for label, style in self.styles.styles.items()]
+        in_look_order = sorted(self.legend_runs.items(), key=lambda item: self.looks.rank[item[1]])
+        handles = [_handle(label + _coincidence(label, self.drawn), self.looks(run)) for label, run in in_look_order]
         handles += list(extra_handles)
         if self.zeros:
-            handles.append(Line2D([], [], color="0.5", ls=(0, (1, 2)), lw=0.8,
-                                  label=f"exact 0, drawn at {short_number(FLOOR)}"))
+            handles.append(_floor_handle())
         if self.diverged:
             handles.append(Line2D([], [], color="k", marker="x", ls="", ms=8, mew=2,
                                   label="diverged: cut where it leaves the axis"))
@@ -128,24 +149,64 @@ class CurveFigure:
         return min(len(self.axes), 2)
 
 
-def _panels(keys, title: str, sharey: bool = False, size: tuple[float, float] = PANEL):
-    """One axes per distinct key (setup or optimizer), two to a row."""
+def _floor_points(ax, x: np.ndarray, y: np.ndarray, look: dict, ms: float, every: int = 1,
+                  offset: int = 0) -> tuple[np.ndarray, bool]:
+    """Exact zeros, which a log axis cannot show: hollow markers on the floor line (the first and last of each
+    stretch of zeros and every `every`-th between, so a long stretch stays a row of markers, not a smear), and
+    y with NaN there, so that no line joins them to measured values. Returns (that y, whether any was zero)."""
+    zero = y == 0
+    if not zero.any():
+        return y, False
+    index = np.arange(len(y))
+    before, after = np.r_[False, zero[:-1]], np.r_[zero[1:], False]
+    shown = zero & (~before | ~after | ((index - offset) % every == 0))
+    ax.plot(x[shown], np.full(shown.sum(), FLOOR), ls="", marker=look["marker"], ms=ms, mfc="none",
+            mec=look["color"], mew=1.1, gid="on floor", clip_on=False)
+    return np.where(zero, np.nan, y), True
+
+
+def _floor_line(ax) -> None:
+    ax.axhline(FLOOR, color="0.5", ls=(0, (1, 2)), lw=0.8, gid="floor")
+
+
+def _floor_handle() -> Line2D:
+    return Line2D([], [], color="0.5", ls=(0, (1, 2)), lw=0.8, marker="o", mfc="none", mec="k", ms=5,
+                  label=f"hollow, on the dotted line at {short_number(FLOOR)}: exactly 0, which a log axis cannot "
+                        "show (no line joins it)")
+
+
+def _panels(keys, title: str, sharey: bool = False, size: tuple[float, float] = PANEL, share_by: dict | None = None):
+    """One axes per distinct key (setup or optimizer), two to a row; share_by (key -> group) shares the y-axis
+    within each group only."""
     keys = list(dict.fromkeys(keys))
     cols = min(len(keys), 2)
     rows = -(-len(keys) // cols)
     fig = Figure(figsize=(size[0] * cols, size[1] * rows + 0.5), layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False, sharey=sharey).flatten()
+    axes = fig.subplots(rows, cols, squeeze=False, sharey=sharey and not share_by).flatten()
     for ax in axes[len(keys):]:
         ax.set_visible(False)
-    fig.suptitle(title)
-    return fig, dict(zip(keys, axes))
+    _suptitle(fig, title)
+    panels = dict(zip(keys, axes))
+    first_of_group: dict = {}
+    for key, ax in panels.items() if share_by else ():
+        first = first_of_group.setdefault(share_by[key], ax)
+        if first is not ax:
+            ax.sharey(first)
+    return fig, panels
 
 
 def _single(title: str, size: tuple[float, float] = (6.0, 3.6)):
     fig = Figure(figsize=size, layout="constrained")
     ax = fig.subplots()
-    fig.suptitle(title)
+    _suptitle(fig, title)
     return fig, ax
+
+
+def _suptitle(fig: Figure, title: str) -> None:
+    """The figure's title, wrapped to its width (about 11 characters an inch at 12 pt): a one-panel figure is
+    narrower than a long title."""
+    fits = int(fig.get_figwidth() * 11)
+    fig.suptitle("\n".join(textwrap.fill(line, fits) for line in title.split("\n")))
 
 
 def _legend(fig: Figure, handles) -> None:
@@ -179,9 +240,14 @@ def _handle(label: str, style: dict) -> Line2D:
     return Line2D([], [], color=style["color"], ls=style["ls"], marker=style["marker"], ms=4.5, lw=1.3, label=label)
 
 
+def _note(label: str) -> Line2D:
+    """A legend line of text alone, with no swatch: for what the figure says but does not draw."""
+    return Line2D([], [], ls="", label=label)
+
+
 def plain_ticks(ax) -> None:
     """Log axes labelled 1e-4, 0.01, 1, 100 instead of 10^x (and 8, 7.998 instead of 7.998x10^0 when the
-    range spans less than a decade); minor ticks unlabelled."""
+    range spans less than a decade; 0.02, 0.05, 0.1 when it spans one or two); minor ticks unlabelled."""
     for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
         if scale != "log":
             if isinstance(axis.get_major_formatter(), ticker.ScalarFormatter):
@@ -190,6 +256,8 @@ def plain_ticks(ax) -> None:
         low, high = sorted(axis.get_view_interval())
         if low > 0 and high / low < 10:
             axis.set_major_locator(ticker.MaxNLocator(4))
+        elif low > 0 and high / low < 100:  # a decade or two holds one power of 10 at most: 1, 2, 5 of each too
+            axis.set_major_locator(ticker.LogLocator(10, subs=(1.0, 2.0, 5.0)))
         axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: short_number(v, 4)))
         axis.set_minor_formatter(ticker.NullFormatter())
 
@@ -242,8 +310,8 @@ def _panel_note(series: list[pd.Series]) -> str | None:
 
 
 def _label(r, runs: pd.DataFrame) -> str:
-    """What tells this run apart from the others of its panel: scale, fix, and c_eff where it is not the
-    scale (fix off, or several world sizes); lr when a setup has several."""
+    """What tells this run apart from the others of its setup: scale, fix, and c_eff where it is not the
+    scale (fix off, or several world sizes); lr when a setup has several; the seed when its setup has several."""
     parts = []
     if runs.scale.nunique() > 1 or runs.c_eff.nunique() == 1:
         parts.append(f"scale={short_number(r.scale)}")
@@ -253,7 +321,15 @@ def _label(r, runs: pd.DataFrame) -> str:
         parts.append(f"c_eff={short_number(r.c_eff)}")
     if runs.groupby("setup").lr.nunique().max() > 1:
         parts.append(f"lr={short_number(r.lr)}")
+    if runs.seed[runs.setup == r.setup].nunique() > 1:  # else the seed repeats of a reference share one label
+        parts.append(f"seed={r.seed}")
     return " ".join(parts)
+
+
+def _run_label(r, runs: pd.DataFrame, with_setup: bool) -> str:
+    """A run's legend label: its setup first where the figure draws several (each run has its own look, so the
+    legend names each run, not what it shares with other setups' runs)."""
+    return " ".join(filter(None, (r.setup if with_setup else "", _label(r, runs))))
 
 
 def _diverged(r, series: pd.Series) -> bool:
@@ -278,9 +354,10 @@ def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = TRAIN_LO
     if top is not None:  # a little headroom for the x of a diverged run
         top = top * 1.5 if log_y else top + (0.08 * (top - min(lows)) if lows else 0.0)
     plot = CurveFigure(runs.setup, f"{metric} by setup" + (" (log y: some runs blow up)" if log_y else ""),
-                       log_y=log_y)
+                       RunLooks(runs), log_y=log_y)
+    several_setups = runs.setup.nunique() > 1
     for r in runs.itertuples():
-        plot.draw(r.setup, series[r.run], _label(r, runs), top=top)
+        plot.draw(r.setup, series[r.run], _run_label(r, runs, several_setups), r.run, top=top)
     return plot.finish("step", metric)
 
 
@@ -297,9 +374,10 @@ def divergence(runs: pd.DataFrame, curves: pd.DataFrame):
              for r, ref in _paired(runs)]
     top = _top([d.to_numpy() for r, d in pairs if not _diverged(r, d)], 3.0)
     plot = CurveFigure([r.setup for r, _ in pairs] or runs.setup, "|loss - loss(reference: scale 1, fix on)|",
-                       log_y=True)
-    for r, delta in pairs:
-        plot.draw(r.setup, delta, _label(r, runs), top=top)
+                       RunLooks(runs), log_y=True)
+    several_setups = len({r.setup for r, _ in pairs}) > 1
+    for r, delta in pairs:  # in the run's own look: the reference is what every line is measured against
+        plot.draw(r.setup, delta, _run_label(r, runs, several_setups), r.run, top=top)
     return plot.finish("step", "|Δ loss|")
 
 
@@ -309,14 +387,16 @@ def grad_norm_ratio(runs: pd.DataFrame, curves: pd.DataFrame):
     pairs = [(r, curve(curves, r.run, GRAD_NORM) / curve(curves, ref, GRAD_NORM))
              for r, ref in _paired(runs)]
     top = _top([q.to_numpy() for r, q in pairs if not _diverged(r, q)] + [np.array([r.c_eff]) for r, _ in pairs], 3.0)
-    plot = CurveFigure([r.setup for r, _ in pairs] or runs.setup, "grad norm / grad norm(reference)", log_y=True)
+    plot = CurveFigure([r.setup for r, _ in pairs] or runs.setup, "grad norm / grad norm(reference)", RunLooks(runs),
+                       log_y=True)
+    several_setups = len({r.setup for r, _ in pairs}) > 1
     for r, ratio in pairs:
-        line = plot.draw(r.setup, ratio, _label(r, runs), top=top)
+        line = plot.draw(r.setup, ratio, _run_label(r, runs, several_setups), r.run, top=top)
         if line is not None:
             plot.axes[r.setup].axhline(r.c_eff, color=line.get_color(), ls=":", lw=0.8, gid="predicted")
     predicted = Line2D([], [], color="0.3", ls=":", lw=0.8, label="dotted: c_eff (predicted ratio)")
-    parted = Line2D([], [], ls="", label="a line that leaves its dotted c_eff: the two runs' weights\n"
-                                         "have parted (SGD moves with c_eff), not a scaling error")
+    parted = _note("a line that leaves its dotted c_eff: the two runs' weights have parted (SGD moves with c_eff), "
+                   "not a scaling error")
     return plot.finish("step", "ratio", extra_handles=[predicted, parted])
 
 
@@ -328,8 +408,9 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
     the clipping band for a clipped setup); dashed: where the risk advisor predicts a 1% update cut
     (onsets: setup -> c); diverged runs as x at the top. One panel per optimizer when an optimizer has
     several setups, else one panel for all. The x-range spans the runs and what is drawn within a decade of
-    them: a band or onset further out is named in the legend, not drawn (a sweep of a few c values is not a
-    figure of empty band)."""
+    them: a band or onset further out is named in the legend, as text without a swatch, not drawn (a sweep of a
+    few c values is not a figure of empty band). An exact 0 (the reference itself, or a run equal to it) is a
+    hollow marker on the floor line, joined to no other point: a line down to it would read as a measured dip."""
     deltas = max_divergence(runs, curves)
     table = runs.assign(delta=runs.run.map(deltas)).dropna(subset=["delta"])
     one_panel = (table.optimizer.nunique() <= 1 or table.groupby("optimizer").setup.nunique().max() <= 1
@@ -343,19 +424,21 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
     several_lrs = table.groupby("setup").lr.nunique().max() > 1 if len(table) else False
     finite_deltas = table.delta[np.isfinite(table.delta)]
     top = max(finite_deltas.max() * 3, 1.0) if len(finite_deltas) else 1.0
-    styles, handles, colors = Styles(), [], {}
+    looks, handles, colors = RunLooks(runs), [], {}
     xs = list(table.c_eff)
     zeros = diverged_any = False
     for (setup, lr), group in table.groupby(["setup", "lr"], sort=False):
         group = group.sort_values("c_eff")
         ax = axes["all" if one_panel else group.optimizer.iloc[0]]
         label = setup + (f" lr={short_number(lr)}" if several_lrs else "")
-        style = styles(label)
+        style = looks.of(group.run)
         finite = group[np.isfinite(group.delta)]
-        zeros |= bool((finite.delta == 0).any())
-        ax.plot(finite.c_eff, finite.delta.where(finite.delta > 0, FLOOR), color=style["color"], ls=style["ls"],
-                marker=style["marker"], ms=6, lw=1.3)
-        handles.append(_handle(label, style))
+        x, y = finite.c_eff.to_numpy(), finite.delta.to_numpy(float)
+        y, on_floor = _floor_points(ax, x, y, style, ms=6)
+        zeros |= on_floor
+        ax.plot(x, y, color=style["color"], ls=style["ls"], marker=style["marker"], ms=6, lw=1.3)
+        joined = bool((np.isfinite(y[:-1]) & np.isfinite(y[1:])).any())  # else points only: the swatch says so
+        handles.append(_handle(label, style if joined else {**style, "ls": ""}))
         diverged = group[~np.isfinite(group.delta)]
         if len(diverged):
             ax.plot(diverged.c_eff, [top] * len(diverged), "x", color=style["color"], ms=9, mew=2)
@@ -392,30 +475,36 @@ def breakdown(runs: pd.DataFrame, curves: pd.DataFrame, bands: dict[str, tuple[f
                 low, high = max(low, reach[0]), min(high, reach[1])
                 ax.axvspan(low, high, alpha=0.13, color=color)
                 positive += [low, high]
-            handles.append(Line2D([], [], color=color, alpha=0.35, lw=8,
-                                  label=f"{setup}: predicted band" + ("" if inside else f" {where(low, high)}")))
+            label = f"{setup}: predicted band" + ("" if inside else f" {where(low, high)}")
+            # a swatch only for a band drawn: the legend lists what the figure shows
+            handles.append(Line2D([], [], color=color, alpha=0.35, lw=8, label=label) if inside else _note(label))
             sources["clip" if setup in clipped else "eps"] = None
     notes = {"eps": "bands: eps / sqrt(v_hat), sqrt(v_hat) from q90 to q10 of the reference",
              "clip": "clipping bands: max_norm / grad norm of the reference, max to min"}
-    handles += [Line2D([], [], ls="", label=notes[kind]) for kind in sources]
+    handles += [_note(notes[kind]) for kind in sources]
+    drawn_onsets = [(setup, c) for setup, c in (onsets or {}).items()
+                    if setup in colors and reach[0] <= c <= reach[1]]
     for setup, c in (onsets or {}).items():
         if setup in colors:
             ax, color = colors[setup]
-            inside = reach[0] <= c <= reach[1]
-            if inside:
-                ax.axvline(c, color=color, ls="--", lw=1.2)
+            inside = (setup, c) in drawn_onsets
+            if inside:  # onsets within 1% (one line on a log axis: a reference in two precisions) take turns on it
+                same = [name for name, other in drawn_onsets
+                        if colors[name][0] is ax and np.isclose(other, c, rtol=0.01)]
+                turn, n = same.index(setup), len(same)
+                ax.axvline(c, color=color, ls=(4 * turn, (4, 4 * (n - 1))) if n > 1 else "--", lw=1.2)
                 positive.append(c)
-            handles.append(Line2D([], [], color=color, ls="--", lw=1.2,
-                                  label=f"{setup}: advisor's 1% update cut "
-                                        + (f"(c={short_number(c, 2)})" if inside else where(c))))
+            label = f"{setup}: advisor's 1% update cut " + (f"(c={short_number(c, 2)})" if inside else where(c))
+            handles.append(Line2D([], [], color=color, ls="--", lw=1.2, label=label) if inside else _note(label))
     if zeros:
-        handles.append(Line2D([], [], color="k", marker="o", ls="", ms=5,
-                              label=f"at {short_number(FLOOR)}: exact 0 (the reference itself)"))
+        handles.append(_floor_handle())
     if diverged_any:
         handles.append(Line2D([], [], color="k", marker="x", ls="", ms=8, mew=2, label="diverged (drawn at the top)"))
     for name, ax in axes.items():
         ax.set(title="" if one_panel else name, xscale="log", yscale="log",
                xlabel="c_eff (effective gradient multiplier)")
+        if zeros:
+            _floor_line(ax)
         if positive:
             ax.set_xlim(min(positive) / 2.5, max(positive) * 2.5)
         plain_ticks(ax)
@@ -432,12 +521,12 @@ def eps_collapse(runs: pd.DataFrame):
     fig, ax = _single("AdamW trades c for eps: one curve in c / eps")
     table = runs[runs.eps.notna() & (runs.status == "completed")]
     table = table[table.seed == table.seed.min()]
-    styles, handles = Styles(), []
+    looks, handles = RunLooks(runs), []
     several_precisions = table.precision.nunique() > 1  # a precision moves the outcome at equal c / eps too
     for (optimizer, eps, precision), group in table.groupby(["optimizer", "eps", "precision"]):
         group = group.sort_values("c_eff")
         label = f"{optimizer} eps={short_number(eps)}" + (f" {precision}" if several_precisions else "")
-        style = styles(label)
+        style = looks.of(group.run)
         ax.plot(group.c_eff / eps, group.final_loss, color=style["color"], ls=style["ls"], marker=style["marker"],
                 ms=7 - 0.7 * (len(handles) % 4), lw=1.2)
         handles.append(_handle(label, style))
@@ -453,10 +542,10 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
     fig, ax = _single("Clipping: which steps are clipped at each c")
     references = pair_references(runs)
     clipped = runs[runs["clip"].notna() & runs.clipped_steps.notna()]
-    styles, handles = Styles(), []
+    looks, handles = RunLooks(runs), []
     for setup, group in clipped.groupby("setup", sort=False):
         group = group.sort_values("c_eff")
-        style = styles(setup)
+        style = looks.of(group.run)
         size = max(10 - 2.5 * (len(handles) // 2), 4)  # shrinking, so that coinciding points all show
         ax.plot(group.c_eff, group.clipped_steps / group.steps_done, style["marker"], color=style["color"], ms=size)
         handles.append(Line2D([], [], color=style["color"], marker=style["marker"], ls="", ms=size,
@@ -479,12 +568,11 @@ def clip_coefficient(runs: pd.DataFrame, curves: pd.DataFrame):
     clipped setup, a line per run; the legend gives each run's share of clipped steps over all its steps."""
     clipped = runs[runs["clip"].notna()]
     plot = CurveFigure(clipped.setup, "Clip coefficient min(1, max_norm / (||g|| + 1e-6)) at each logged step",
-                       log_y=True)
+                       RunLooks(runs), log_y=True)
     for r in clipped.itertuples():
-        seeds = f" seed={r.seed}" if clipped[clipped.setup == r.setup].seed.nunique() > 1 else ""
         share = f"{r.clipped_steps / r.steps_done:.0%}" if r.steps_done else "-"
-        label = " ".join(filter(None, (r.setup, _label(r, clipped)))) + f"{seeds}: clipped at {share} of steps"
-        plot.draw(r.setup, curve(curves, r.run, CLIP_COEF), label)
+        label = _run_label(r, clipped, with_setup=True) + f": clipped at {share} of steps"
+        plot.draw(r.setup, curve(curves, r.run, CLIP_COEF), label, r.run)
     fig = plot.finish("step", "clip coefficient")
     for ax in plot.axes.values():
         ax.set_ylim(top=1.25)  # nothing lies above 1
@@ -500,11 +588,11 @@ def lr_separation(runs: pd.DataFrame, curves: pd.DataFrame):
     table = table[table.delta > 0]  # the references themselves
     finite = table.delta[np.isfinite(table.delta)]
     top = max(finite.max() * 3, 1.0) if len(finite) else 1.0
-    styles, handles = Styles(), []
+    looks, handles = RunLooks(runs), []
     for (setup, c_eff), group in table.groupby(["setup", "c_eff"], sort=False):
         group = group.sort_values("lr")
         label = f"{setup} c_eff={short_number(c_eff)}"
-        style = styles(label)
+        style = looks.of(group.run)
         ok = group[np.isfinite(group.delta)]
         ax.plot(ok.lr, ok.delta, color=style["color"], ls=style["ls"], marker=style["marker"], ms=6, lw=1.3)
         bad = group[~np.isfinite(group.delta)]
@@ -547,20 +635,30 @@ def final_loss_heatmap(runs: pd.DataFrame):
 
 
 def adam_state(runs: pd.DataFrame, curves: pd.DataFrame):
-    """eps-dominated share of coordinates and update RMS vs step, for Adam-type runs."""
+    """eps-dominated share of coordinates and update RMS vs step, for Adam-type runs. The share panel is left
+    out, and the title says so, when no run has an eps-dominated coordinate at any logged step (the default
+    sweep's tiny model: its sqrt(v_hat) all lie far above eps): a panel of lines on 0 would show nothing."""
     adam = runs[[not curve(curves, r.run, EPS_DOMINATED).empty for r in runs.itertuples()]]
+    shares = {r.run: curve(curves, r.run, EPS_DOMINATED) for r in adam.itertuples()}
+    any_share = any((s.to_numpy(float) > 0).any() for s in shares.values())
+    share_key = "eps-dominated share"
+    title = "Adam's state per run" + ("" if any_share else
+                                      "\n(no coordinate eps-dominated in any run: that share's panel left out)")
     several_setups = adam.setup.nunique() > 1
-    plot = CurveFigure(["eps-dominated share", "update RMS"], "Adam's state per run", sharey=False)
+    plot = CurveFigure([share_key, "update RMS"] if any_share else ["update RMS"], title, RunLooks(runs),
+                       sharey=False)
     for r in adam.itertuples():
-        label = (f"{r.setup} " if several_setups else "") + _label(r, adam)
-        plot.draw("eps-dominated share", curve(curves, r.run, EPS_DOMINATED), label)
-        plot.draw("update RMS", curve(curves, r.run, UPDATE_RMS), label)
+        label = _run_label(r, adam, several_setups)
+        if any_share:
+            plot.draw(share_key, shares[r.run], label, r.run)
+        plot.draw("update RMS", curve(curves, r.run, UPDATE_RMS), label, r.run)
     fig = plot.finish("step", "")
-    share_ax, rms_ax = plot.axes.values()
-    shares = [s.max() for (key, _), s in plot.drawn.items() if key == "eps-dominated share"]
-    share_ax.set_ylim(0, max(0.01, 1.1 * max(shares, default=0)))  # a flat 0 reads as 0%, not 0.00000..0.00020
-    share_ax.yaxis.set_major_formatter(ticker.PercentFormatter(1.0, decimals=None))
-    share_ax.set_ylabel("coordinates with sqrt(v_hat) < eps")
+    if any_share:  # from 0 to the largest share: a share of 1e-4 shows as a curve, not as a line along 0
+        share_ax = plot.axes[share_key]
+        share_ax.set_ylim(0, 1.1 * max(float(s.max()) for s in shares.values()))
+        share_ax.yaxis.set_major_formatter(ticker.PercentFormatter(1.0, decimals=None))
+        share_ax.set_ylabel("coordinates with sqrt(v_hat) < eps")
+    rms_ax = plot.axes["update RMS"]
     rms_ax.set(ylabel="update RMS", yscale="log")
     plain_ticks(rms_ax)
     return fig
@@ -571,11 +669,11 @@ def lr_axis(runs: pd.DataFrame):
     fig, ax = _single("final loss vs lr")
     finite = runs.final_loss.astype(float)
     top = np.nanmax(finite.where(np.isfinite(finite))) if np.isfinite(finite).any() else 1.0
-    styles, handles = Styles(), []
+    looks, handles = RunLooks(runs), []
     for (setup, c_eff), group in runs.groupby(["setup", "c_eff"], sort=False):
         group = group.sort_values("lr")
         label = f"{setup} c_eff={short_number(c_eff)}"
-        style = styles(label)
+        style = looks.of(group.run)
         ok = group[group.status == "completed"]
         ax.plot(ok.lr, ok.final_loss, color=style["color"], ls=style["ls"], marker=style["marker"], ms=6, lw=1.3)
         bad = group[group.status == "diverged"]
@@ -593,37 +691,47 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     """By token-frequency bucket (gradscale/frequency.py), one panel each, against the reference run (scale 1,
     fix on; for a contrast such as an fp32 control, the banded run it differs from: tables.contrast_references):
     the held-out loss of the bucket's targets minus the reference's (what="loss"), or the RMS of the
-    update of the bucket's output-matrix rows over the reference's, at the eval steps (what="update")."""
+    update of the bucket's output-matrix rows over the reference's, at the eval steps (what="update"). With
+    several optimizers, four panels per optimizer, sharing a y-axis only with each other: SGD's differences
+    are orders larger than AdamW's, and on one axis would flatten AdamW's lines onto the reference's level."""
     from gradscale.records import BUCKET_EDGES, BUCKETS
 
     low, mid, high = BUCKET_EDGES
     ranges = {"unseen": "0", "rare": f"{low}-{mid - 1}", "middle": f"{mid}-{high - 1}", "frequent": f">= {high}"}
-    titles = {b: f"{b} (trained {ranges[b]} times)" for b in BUCKETS}
     metric, title, ylabel, level = {
         "loss": (eval_loss_of, "held-out loss by how often the target token is trained: run minus reference",
                  "Δ held-out loss (nats)", 0.0),
         "update": (output_update_rms_of, "update RMS of the output-matrix rows by how often the token is "
                    "trained: run over reference", "update RMS / reference's", 1.0),
     }[what]
-    several_setups = runs.setup.nunique() > 1
-    plot = CurveFigure(titles.values(), title)
-    siblings, banded = seed_siblings(runs), {}
     by_name, contrasts = runs.set_index("run"), contrast_references(runs)
-    contrasted = [(r, *contrasts[r.run]) for r in runs.itertuples() if r.run in contrasts]
-    for r, reference, key in [(r, reference, None) for r, reference in _paired(runs)] + contrasted:
+    compared = [(r, reference, None) for r, reference in _paired(runs)] + [
+        (r, *contrasts[r.run]) for r in runs.itertuples() if r.run in contrasts]
+    optimizers = list(dict.fromkeys(r.optimizer for r, _, _ in compared)) or list(dict.fromkeys(runs.optimizer))
+    several_optimizers = len(optimizers) > 1
+
+    def panel(optimizer: str, bucket: str) -> str:  # short enough for a panel's width with the optimizer's name
+        return (f"{optimizer}: " if several_optimizers else "") + f"{bucket} ({ranges[bucket]} times)"
+
+    keys = {panel(o, b): o for o in optimizers for b in BUCKETS}
+    several_setups = len({r.setup for r, _, _ in compared}) > 1
+    plot = CurveFigure(keys, title, RunLooks(runs), share_by=keys)
+    siblings, banded = seed_siblings(runs), {}
+    for r, reference, key in compared:
         label = (f"{key}={getattr(r, key)} against {key}={by_name.loc[reference, key]}, the same seed" if key else
-                 (f"{r.setup} " if several_setups else "") + _label(r, runs))
+                 _run_label(r, runs, several_setups))
         for bucket in BUCKETS:
             run_curve, ref_curve = (curve(curves, name, metric(bucket)) for name in (r.run, reference))
             series = run_curve - ref_curve if what == "loss" else run_curve / ref_curve
-            plot.draw(titles[bucket], series.dropna(), label)
+            plot.draw(panel(r.optimizer, bucket), series.dropna(), label, r.run)  # the compared run's look
         seeds = siblings.get(reference, [])
+        optimizer = by_name.loc[reference, "optimizer"]
         if what == "loss" and len(seeds) >= 2 and reference not in banded:  # what the data order alone does
             banded[reference] = len(seeds)
             for bucket in BUCKETS:
                 spread = seed_curves(curves, seeds, metric(bucket)).std(axis=1, ddof=1)
-                plot.axes[titles[bucket]].fill_between(spread.index, -2 * spread, 2 * spread, color="0.88", lw=0,
-                                                       zorder=0, gid="seed band")
+                plot.axes[panel(optimizer, bucket)].fill_between(spread.index, -2 * spread, 2 * spread, color="0.88",
+                                                                 lw=0, zorder=0, gid="seed band")
     for ax in plot.axes.values():
         ax.axhline(level, color="0.5", lw=0.8, ls=":", gid="level")
     band = [Patch(color="0.88", label=f"±2 seed standard deviations around the reference ({n} seeds: the data "
@@ -631,17 +739,17 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
     return plot.finish("step", ylabel, band)
 
 
-def advisor_along_run(advisor: pd.DataFrame):
+def advisor_along_run(advisor: pd.DataFrame, runs: pd.DataFrame):
     """The risk advisor along whole runs: at every recorded step, AdamW's update-RMS ratio to its reference as
-    predicted from the reference's sqrt(v_hat) histogram of that step (dashed) and as measured (solid), one
-    colour per run (gradscale.analysis.advise.advisor_vs_measured's table)."""
+    predicted from the reference's sqrt(v_hat) histogram of that step (dashed) and as measured (solid), each run
+    in its look (RunLooks of `runs`) (gradscale.analysis.advise.advisor_vs_measured's table)."""
     fig, ax = _single("The advisor along the run: predicted (dashed), measured (solid)")
-    styles, handles = Styles(), []
-    for (setup, c_eff, _run), group in advisor.groupby(["setup", "c_eff", "run"], sort=False):
+    looks, handles, by_name = RunLooks(runs), [], runs.set_index("run", drop=False)
+    for run, group in advisor.groupby("run", sort=False):
         group = group.sort_values("step")
-        label = f"{setup} c_eff={short_number(c_eff)}"
-        style = styles(label)
-        ax.plot(group.step, group.measured, color=style["color"], marker=style["marker"], ms=4.5, lw=1.3)
+        label = _run_label(by_name.loc[run], runs, with_setup=True)  # one panel: no panel title names the setup
+        style = looks(run)
+        ax.plot(group.step, group.measured, color=style["color"], marker=style["marker"], ms=4.5, lw=1.3, label=run)
         ax.plot(group.step, group.predicted, color=style["color"], ls="--", lw=1.2)
         worst = float(group.error.abs().max())
         handles.append(_handle(f"{label}: largest |predicted / measured - 1| {short_number(worst, 2)}",

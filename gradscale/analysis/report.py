@@ -70,7 +70,7 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame, advisor: pd.DataFrame) ->
          else None, no_buckets if not buckets else no_ref),
         ("token_frequency_update", (lambda: plots.token_frequency(runs, curves, "update")) if buckets and has_pairs
          else None, no_buckets if not buckets else no_ref),
-        ("advisor_along_run", (lambda: plots.advisor_along_run(advisor)) if len(advisor) else None,
+        ("advisor_along_run", (lambda: plots.advisor_along_run(advisor, runs)) if len(advisor) else None,
          "no AdamW run beside a reference with sqrt(v_hat) histograms (adam_stats_every)"),
     ]
 
