@@ -117,8 +117,8 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_anything_loads(cli,
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert re.match(r"error: this run needs about \d+ GiB \(weights 12, gradients 12, optimizer state 37, "
-                    r"activations \d+, framework 0.5\) on cpu; this machine has [\d.]+ GiB available "
-                    r"\(this process holds [\d.]+\): .*check_memory=false to go on", lines[0]), lines[0]
+                    r"activations \d+, framework 0.5\) on cpu, and 1.1 times that free; this machine has [\d.]+ GiB "
+                    r"available \(this process holds [\d.]+\): .*check_memory=false to go on", lines[0]), lines[0]
     assert list(cache.iterdir()) == []
     assert "parameters" not in (run_dir / "run.log").read_text()  # the model-built line never came
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "failed"
@@ -145,11 +145,15 @@ def test_the_memory_check_counts_the_jobs_that_start_together_and_check_memory_f
     assert needed == memory.estimate(cfg, "cpu", optimizer_state=True, sequences_per_forward=cfg.batch_size).total
     monkeypatch.setattr(memory, "free_memory", lambda device_type: (int(1.5 * needed), "1.5 estimates free"))
     check_memory(cfg, side_by_side=1)  # fits
+    monkeypatch.setattr(memory, "free_memory", lambda device_type: (int(1.05 * needed), "1.05 estimates free"))
+    with pytest.raises(ConfigError, match=r"and 1.1 times that free; 1.05 estimates free"):
+        check_memory(cfg, side_by_side=1)  # the estimate fits, its margin does not
+    monkeypatch.setattr(memory, "free_memory", lambda device_type: (int(2.0 * needed), "2 estimates free"))
     side_by_side = r"^error: this run needs about [\d.]+ GiB, 2 processes side by side of [\d.]+ GiB \(weights "
     with pytest.raises(ConfigError, match=side_by_side):
         check_memory(cfg, side_by_side=2)
     monkeypatch.setattr(memory, "free_memory", lambda device_type: (1 << 20, "1 MiB free"))
-    with pytest.raises(ConfigError, match=r"^error: this run needs about .*; 1 MiB free: "):
+    with pytest.raises(ConfigError, match=r"^error: this run needs about .* times that free; 1 MiB free: "):
         run_in_process(tmp_path / "refused", [])
     result, _ = run_in_process(tmp_path / "anyway", ["check_memory=false"])
     assert result["steps_done"] == 4
