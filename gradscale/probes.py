@@ -140,6 +140,36 @@ def compiler_problem(on_cuda: bool) -> str | None:
     return None
 
 
+def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
+    """How many times longer a bf16 matmul takes than an fp32 one on this CPU (the best of a few size^3
+    products each, both warmed up first): below 1 where AVX-512 BF16 or AMX runs it, tens on a CPU with
+    neither, where a bf16-autocast run crawls."""
+    import time
+
+    import torch
+
+    operands = {dtype: (torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype))
+                for dtype in (torch.float32, torch.bfloat16)}
+    for a, b in operands.values():
+        for _ in range(3):  # the first products of a dtype pay for its kernels' set-up
+            a @ b
+
+    def best(a, b) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a busy machine cannot stall a product at a barrier between threads
+    try:
+        return best(*operands[torch.bfloat16]) / best(*operands[torch.float32])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def check_environment(cfg: Any) -> None:
     """Refuse values this machine cannot run, before any work starts; one line naming the value and why.
     Apart from `validate`, which judges values alone: these look at the machine (and the weights' source)."""
