@@ -570,6 +570,9 @@ def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
     with pytest.raises(AuditError, match=r"error: torchtune is not installed: pip install 'gradscale\[peers\]' "
                                          r"\(in a clone: make peers\)"):
         resolve_target("torchtune")
+    with pytest.raises(AuditError, match=r"^error: trl is not installed in \.peers-trl-1\.9\.0/: make peers "
+                                         r"\(in a clone\)$"):
+        adapters.find_peer("trl", tmp_path / ".peers-trl-1.9.0")  # a pinned release: never the environment's trl
 
 
 @pytest.mark.distributed

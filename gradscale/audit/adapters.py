@@ -295,14 +295,14 @@ def trl_sft(model, micro_batches, world: World) -> float | None:
 # optimizer steps (S > K, as in TRL issue 5619's S = 4, K = 2). Before PR 6024 these losses were x K / S there.
 GRPO_STEPS_PER_GENERATION = {1: 1, 2: 1, 4: 8, 8: 16}
 GRPO_LOSS_TYPES = {  # TRL's loss types, each with how its _compute_loss normalizes a micro-batch
-    "dapo": "the global token count of the generation batch (num_items_in_batch); TRL's default",
-    "cispo": "as dapo, with the clipped importance weights as coefficients",
+    "dapo": "over num_items_in_batch, the generation batch's token count (TRL's default)",
+    "cispo": "as dapo, its clipped ratios as coefficients",
     "vespo": "as dapo, with its gamma weights",
     "grpo": "each sequence's token mean, meaned over the micro-batch, / K",
     "sapo": "as grpo, with its soft gate",
-    "bnpo": "the micro-batch's own token count, / K",
-    "dr_grpo": "sequences x max_completion_length, a constant, / K",
-    "luspo": "each sequence's token sum, meaned over the micro-batch, / K (importance_sampling_level=sequence)",
+    "bnpo": "over the micro-batch's own token count, / K",
+    "dr_grpo": "over sequences x max_completion_length, / K",
+    "luspo": "each sequence's token sum, meaned over the micro-batch, / K",
 }
 
 
@@ -588,8 +588,8 @@ ADAPTERS: dict[str, Adapter] = {
                                 "zoo: that step with its factor before PR 2172 (1 / num_tokens: gradients 1/N)",
                                 requires="torchtune"),
     **{name: Adapter(f"gradscale.audit.adapters:{name}",
-                     f"TRL {'1.9.0 (before PR 6024)' if folder else '1.16.0'}'s GRPOTrainer, loss_type={loss}: "
-                     f"{GRPO_LOSS_TYPES[loss]}; steps_per_generation per K (--reference layout)",
+                     f"TRL {'1.9.0 (the release before PR 6024)' if folder else '1.16.0'} GRPOTrainer, "
+                     f"loss_type={loss}: {GRPO_LOSS_TYPES[loss]}; use --reference layout",
                      requires="trl", peers=folder)
        for name, (loss, folder) in _grpo_targets().items()},
 }
