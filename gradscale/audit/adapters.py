@@ -7,6 +7,7 @@
     lightning_docs_loop            Lightning's Trainer as its docs show accumulation (mean loss per micro-batch)
     lightning_token_loop           Lightning's Trainer with the loss over the global trained-token count
     trl_sft                        TRL's SFTTrainer, fp32 (its config defaults to bf16)
+    trl_grpo_LOSS                  TRL's GRPOTrainer for each loss type; trl_grpo_1_9_0_LOSS: the release before PR 6024
     gradscale[_RECIPE]             this suite's own loop code (accumulate_gradients, GradPipeline.apply)
 
 The trainers run one optimizer step (max_steps=1, gradient_accumulation_steps=K) on a data loader that yields
@@ -135,7 +136,7 @@ def peer(module: str, folder: Path | None = None):
 
     top = module.split(".")[0]
     if top in sys.modules and _pinned_folder(sys.modules[top]) != folder:
-        found = Path(sys.modules[top].__file__).parent
+        found = Path(getattr(sys.modules[top], "__file__", None) or top).parent
         raise AuditError(f"error: this process imported {top} from {found} already: audit the targets of each "
                          f"{top} release in a launch of their own")
     if find_peer(module, folder):
