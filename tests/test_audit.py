@@ -486,7 +486,6 @@ def assert_weighted_as(r: Result, weights: dict[tuple[int, int], float], name: s
 
 @pytest.mark.distributed
 @pytest.mark.frameworks
-@pytest.mark.slow
 def test_trl_grpo_before_pr_6024_is_flagged_with_k_over_steps_per_generation_and_the_current_release_passes(
         grpo_audited):
     """dapo, cispo and vespo divide by num_items_in_batch, the token count of a whole generation batch of S
@@ -507,7 +506,6 @@ def test_trl_grpo_before_pr_6024_is_flagged_with_k_over_steps_per_generation_and
 
 @pytest.mark.distributed
 @pytest.mark.frameworks
-@pytest.mark.slow
 def test_trl_grpos_other_losses_are_layout_free_but_bnpo_which_means_per_micro_batch(grpo_audited):
     """grpo, sapo (each micro-batch's mean of sequence means / K: every micro-batch holds as many sequences),
     dr_grpo and luspo (a constant divisor) pass everywhere; bnpo divides each micro-batch by its own token count,
