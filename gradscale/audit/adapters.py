@@ -293,7 +293,7 @@ def trl_sft(model, micro_batches, world: World) -> float | None:
 
 # steps_per_generation S per accumulation K. K = 1: S = 1, so that --reference layout's N = 1, K = 1 row is the plain
 # step; K = 2: S = 1, two generations in one optimizer step (S < K); K = 4, 8: S = 2K, a generation spans two
-# optimizer steps (S > K, as in TRL issue 5619's S = 4, K = 2). Before PR 6024 these losses were x K / S there.
+# optimizer steps (S > K, as in PR 6024's example S = 4, K = 2). Before PR 6024 dapo, cispo and vespo were x K / S.
 GRPO_STEPS_PER_GENERATION = {1: 1, 2: 1, 4: 8, 8: 16}
 GRPO_LOSS_TYPES = {  # TRL's loss types, each with how its _compute_loss normalizes a micro-batch
     "dapo": "over num_items_in_batch, the generation batch's token count (TRL's default)",
