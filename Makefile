@@ -27,12 +27,19 @@ carry: .whl/.complete
 	touch $@
 
 # The audit's peer frameworks (pyproject's `peers` extra, its pins) in a folder of their own, put on the path only by
-# the adapters that need them (gradscale/audit/adapters.py says why).
-peers: .peers/.complete
+# the adapters that need them (gradscale/audit/adapters.py says why). An older release audited beside the current one
+# (TRL 1.9.0, before PR 6024) goes into a folder of its own, .peers-NAME-VERSION/, whose name adapters.py holds.
+PINNED_PEERS := $(sort $(shell grep -o '\.peers-[a-z_]*-[0-9][0-9.]*[0-9]' gradscale/audit/adapters.py))
+peers: .peers/.complete $(PINNED_PEERS:%=%/.complete)
 
 .peers/.complete: pyproject.toml | $(VENV)/.installed
 	rm -rf .peers
 	$(PY) -m pip install --quiet --no-deps --target .peers $$($(PY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["peers"]))')
+	touch $@
+
+.peers-%/.complete: | $(VENV)/.installed
+	rm -rf .peers-$*
+	$(PY) -m pip install --quiet --no-deps --target .peers-$* $$(echo $* | sed 's/-\([0-9]\)/==\1/')
 	touch $@
 
 rehearsal: .rehearsal/.complete
@@ -70,4 +77,4 @@ test-fast: install
 	WANDB_MODE=disabled $(PY) -m pytest -m "not slow and not distributed and not gpu and not frameworks"
 
 clean:
-	rm -rf $(VENV) .whl .rehearsal .peers .wheelenv device_check outputs multirun .pytest_cache .ruff_cache
+	rm -rf $(VENV) .whl .rehearsal .peers .peers-* .wheelenv device_check outputs multirun .pytest_cache .ruff_cache

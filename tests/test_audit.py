@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -417,6 +418,148 @@ def test_trl_passes_and_torchtune_weighs_the_micro_batch_with_a_first_label_apar
         assert r.c == pytest.approx(1 / r.world_size, rel=0.02) and r.ok is ((r.world_size, r.accumulation) == (1, 1))
 
 
+GRPO_GRID = {"world_sizes": (1, 2), "accumulations": (1, 2, 4)}  # S = 1, 1, 8 (adapters.GRPO_STEPS_PER_GENERATION)
+GRPO_BEFORE_FIX = ["trl_grpo_1_9_0_dapo", "trl_grpo_1_9_0_cispo", "trl_grpo_1_9_0_vespo"]  # the losses PR 6024 fixed
+
+
+@pytest.fixture(scope="module")
+def grpo_audited():
+    """TRL's GRPOTrainer in layout mode: every loss type of the current release (.peers/), and the losses PR 6024
+    fixed in the release before it (.peers-trl-1.9.0/), each release in launches of its own (a rank process
+    imports one trl)."""
+    from gradscale.audit.adapters import GRPO_LOSS_TYPES
+
+    current = [f"trl_grpo_{loss}" for loss in GRPO_LOSS_TYPES]
+    if not all(installed(t) for t in current + GRPO_BEFORE_FIX):
+        pytest.skip("the peers are not installed (make peers)")
+    return {**audit_many(current, reference="layout", **GRPO_GRID),
+            **audit_many(GRPO_BEFORE_FIX, reference="layout", **GRPO_GRID)}
+
+
+def dapo_weights(r: Result, rescaled: bool) -> dict[tuple[int, int], float]:
+    """Each trained micro-batch's weight, against the global token mean, under TRL's dapo normalizer: the token
+    count of its generation batch over all ranks (num_items_in_batch), times K / S where PR 6024 rescales it. S >= K:
+    one generation, the step's K micro-batches repeated S / K times (the adapter's); S < K: the next S micro-batches."""
+    from gradscale.audit.adapters import GRPO_STEPS_PER_GENERATION
+
+    k, s = r.accumulation, GRPO_STEPS_PER_GENERATION[r.accumulation]
+    total = sum(map(sum, r.tokens))
+
+    def items(j: int) -> float:
+        first = j // s * s
+        return total * s / k if s >= k else sum(rank[i] for rank in r.tokens for i in range(first, first + s))
+
+    return {(rank, j): total / items(j) / (k / s if rescaled else 1)
+            for rank, counts in enumerate(r.tokens) for j, n in enumerate(counts) if n}
+
+
+def fitted_weights(r: Result) -> dict[tuple[int, int], float]:
+    """The weights of the trained micro-batches as the failing row's reason names them (compare._slot_weights)."""
+    import re
+
+    line = r.reasons[0].split("weighted by where they are: ")[1]
+    rest = re.search(r"the rest x([-0-9.e+]+)", line)
+    named = re.findall(r"rank (\d+)(?: micro-batch (\d+))? x([-0-9.e+]+)", line)
+    weights = {}
+    for rank, counts in enumerate(r.tokens):
+        for j, n in enumerate(counts):
+            if n:
+                found = [float(w) for a, b, w in named if int(a) == rank and b in ("", str(j))]
+                weights[(rank, j)] = found[0] if found else float(rest.group(1))
+    return weights
+
+
+def assert_weighted_as(r: Result, weights: dict[tuple[int, int], float], name: str) -> None:
+    """Every trained token weighted alike: a multiplier c of that weight, ok where it is 1. Else flagged with the
+    weights predicted, up to the constant of the loss's own N = 1, K = 1 gradient (the 4 digits the reason gives)."""
+    where = f"{name} at N={r.world_size} K={r.accumulation}: {r.reasons}"
+    values = list(weights.values())
+    if max(values) - min(values) <= 1e-9 * max(values):
+        assert r.c == pytest.approx(values[0], rel=1e-5) and r.residual < TOLERANCE, where
+        assert r.ok is (abs(values[0] - 1) < 1e-9), where
+    else:
+        assert not r.ok and r.residual > 0.01, where
+        fitted = fitted_weights(r)
+        ratios = [fitted[slot] / w for slot, w in weights.items()]
+        assert max(ratios) == pytest.approx(min(ratios), rel=1e-3), (where, weights, fitted)
+
+
+@pytest.mark.distributed
+@pytest.mark.frameworks
+def test_trl_grpo_before_pr_6024_is_flagged_with_k_over_steps_per_generation_and_the_current_release_passes(
+        grpo_audited):
+    """dapo, cispo and vespo divide by num_items_in_batch, the token count of a whole generation batch of S
+    micro-batches: TRL 1.9.0 is flagged with c = K / S at K = 4, S = 8, where 1.16.0 (x K / S since PR 6024) passes.
+    Where S < K (K = 2, S = 1) a step holds K / S generations, each over its own count: 1.9.0 sums their token
+    means and 1.16.0 averages them, both weighting the tokens by their generation's count (a finding; ok by chance
+    at N = 1, where one generation trains nothing under 1.9.0)."""
+    for loss in ("dapo", "cispo", "vespo"):
+        for rescaled, name in ((True, f"trl_grpo_{loss}"), (False, f"trl_grpo_1_9_0_{loss}")):
+            for r in grpo_audited[name]:
+                assert_weighted_as(r, dapo_weights(r, rescaled), name)
+        for r in grpo_audited[f"trl_grpo_1_9_0_{loss}"]:
+            if r.accumulation == 4:  # S = 8: the multiplier of issue 5619
+                assert r.c == pytest.approx(4 / 8, rel=1e-5) and r.residual < TOLERANCE
+        assert all(r.ok for r in grpo_audited[f"trl_grpo_{loss}"] if r.accumulation != 2), \
+            report(loss, grpo_audited[f"trl_grpo_{loss}"], TOLERANCE)
+
+
+@pytest.mark.distributed
+@pytest.mark.frameworks
+def test_trl_grpos_other_losses_are_layout_free_but_bnpo_which_means_per_micro_batch(grpo_audited):
+    """grpo, sapo (each micro-batch's mean of sequence means / K: every micro-batch holds as many sequences),
+    dr_grpo and luspo (a constant divisor) pass everywhere; bnpo divides each micro-batch by its own token count,
+    as TRL documents: c = 1/2 where one micro-batch of two trains, elsewhere per-micro-batch token means."""
+    for loss in ("grpo", "sapo", "dr_grpo", "luspo"):
+        rows = grpo_audited[f"trl_grpo_{loss}"]
+        assert all(r.ok for r in rows), report(loss, rows, TOLERANCE)
+    for r in grpo_audited["trl_grpo_bnpo"]:
+        total = sum(map(sum, r.tokens))
+        weights = {(rank, j): total / (n * r.accumulation * r.world_size)
+                   for rank, counts in enumerate(r.tokens) for j, n in enumerate(counts) if n}
+        if len(set(weights.values())) == 1:
+            assert_weighted_as(r, weights, "trl_grpo_bnpo")
+        else:  # with one sequence per micro-batch, its token mean is that sequence's
+            named = "seq-mean-token-mean" if r.sequences == r.world_size * r.accumulation else \
+                "per-micro-batch token means x1"
+            assert not r.ok and f"the gradient is that of {named}" in r.reasons[0], r.reasons
+
+
+def test_the_current_trl_has_pr_6024s_rescaling_and_the_release_before_it_has_not():
+    """The two TRL releases the GRPO audit runs, read from their folders without importing either."""
+    import importlib.metadata
+    import importlib.util
+
+    from gradscale.audit.adapters import PEERS_DIR, TRL_BEFORE_PR_6024
+
+    fix = "normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation"
+    current = importlib.util.find_spec("trl")
+    folders = {"current": Path(current.origin).parents[1] if current else PEERS_DIR, "before": TRL_BEFORE_PR_6024}
+    if not all((f / "trl").is_dir() for f in folders.values()):
+        pytest.skip("the peers are not installed (make peers)")
+    version = {k: next(importlib.metadata.distributions(name="trl", path=[str(f)])).version for k, f in folders.items()}
+    source = {k: (f / "trl" / "trainer" / "grpo_trainer.py").read_text() for k, f in folders.items()}
+    assert version["before"] == TRL_BEFORE_PR_6024.name.rsplit("-", 1)[1] and fix not in source["before"]
+    assert fix in source["current"], f"trl {version['current']} lacks PR 6024's fix"
+
+
+def test_a_process_holding_one_trl_release_refuses_the_other_in_one_line(monkeypatch):
+    """A launch mixing trl_grpo_* and trl_grpo_1_9_0_* targets: its ranks would import two trl; the second is
+    refused (the tests audit each release in launches of their own)."""
+    import types
+
+    from gradscale.audit.adapters import TRL_BEFORE_PR_6024, peer
+
+    old = types.ModuleType("trl")
+    old.__file__ = str(TRL_BEFORE_PR_6024 / "trl" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "trl", old)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # peer() puts the folder on it
+    with pytest.raises(AuditError, match=r"^error: this process imported trl from .*\.peers-trl-1\.9\.0/trl already: "
+                                         r"audit the targets of each trl release in a launch of their own$"):
+        peer("trl")
+    assert peer("trl", TRL_BEFORE_PR_6024) is old
+
+
 def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
     from gradscale.audit import adapters
 
@@ -425,6 +568,9 @@ def test_a_missing_peer_is_one_line_naming_the_install(monkeypatch, tmp_path):
     with pytest.raises(AuditError, match=r"error: torchtune is not installed: pip install 'gradscale\[peers\]' "
                                          r"\(in a clone: make peers\)"):
         resolve_target("torchtune")
+    with pytest.raises(AuditError, match=r"^error: trl is not installed in \.peers-trl-1\.9\.0/: make peers "
+                                         r"\(in a clone\)$"):
+        adapters.find_peer("trl", tmp_path / ".peers-trl-1.9.0")  # a pinned release: never the environment's trl
 
 
 @pytest.mark.distributed

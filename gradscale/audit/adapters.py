@@ -7,6 +7,7 @@
     lightning_docs_loop            Lightning's Trainer as its docs show accumulation (mean loss per micro-batch)
     lightning_token_loop           Lightning's Trainer with the loss over the global trained-token count
     trl_sft                        TRL's SFTTrainer, fp32 (its config defaults to bf16)
+    trl_grpo_LOSS                  TRL's GRPOTrainer for each loss type; trl_grpo_1_9_0_LOSS: the release before PR 6024
     gradscale[_RECIPE]             this suite's own loop code (accumulate_gradients, GradPipeline.apply)
 
 The trainers run one optimizer step (max_steps=1, gradient_accumulation_steps=K) on a data loader that yields
@@ -47,15 +48,18 @@ class KeepGradients(torch.optim.Optimizer):
 
 
 def _hf_training_arguments(args_class, world: World, out_dir: str, **extra):
-    return args_class(output_dir=out_dir, per_device_train_batch_size=1, gradient_accumulation_steps=world.accumulation,
-                      max_steps=1, max_grad_norm=1e30, logging_steps=1, report_to="none", save_strategy="no",
-                      disable_tqdm=True, use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, seed=0,
-                      lr_scheduler_type="constant", log_level="error", **extra)
+    """The trainers' arguments for one step of K micro-batches; extra adds to them or overrides them."""
+    return args_class(**{"output_dir": out_dir, "per_device_train_batch_size": 1,
+                         "gradient_accumulation_steps": world.accumulation, "max_steps": 1, "max_grad_norm": 1e30,
+                         "logging_steps": 1, "report_to": "none", "save_strategy": "no", "disable_tqdm": True,
+                         "use_cpu": True, "ddp_backend": "gloo", "dataloader_num_workers": 0, "seed": 0,
+                         "lr_scheduler_type": "constant", "log_level": "error", **extra})
 
 
-def _run_trainer(trainer_class, model, micro_batches, args) -> float | None:
-    """One optimizer step of an HF-style trainer on exactly these micro-batches; leaves the gradient its
-    optimizer was handed in .grad and returns the grad norm it logged."""
+def _run_trainer(trainer_class, model, micro_batches, args, train_dataset=None, **trainer_kwargs) -> float | None:
+    """One optimizer step of an HF-style trainer on exactly these micro-batches (what its loader yields, in order:
+    GRPO's are generation batches); leaves the gradient its optimizer was handed in .grad and returns the grad norm
+    it logged. train_dataset: the one it insists on (default _stand_in's); trainer_kwargs go to the trainer."""
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader
     from transformers import TrainerCallback
@@ -73,9 +77,10 @@ def _run_trainer(trainer_class, model, micro_batches, args) -> float | None:
             return DataLoader(micro_batches, batch_size=None, shuffle=False)
 
     optimizer = KeepGradients(model.parameters())
-    trainer = OnTheseBatches(model=model, args=args, train_dataset=_stand_in(micro_batches),
+    trainer = OnTheseBatches(model=model, args=args,
+                             train_dataset=_stand_in(micro_batches) if train_dataset is None else train_dataset,
                              optimizers=(optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)),
-                             callbacks=[KeepLogs()], **_processing_class(trainer_class, model))
+                             callbacks=[KeepLogs()], **_processing_class(trainer_class, model), **trainer_kwargs)
     trainer.train()
     for p in model.parameters():
         p.grad = optimizer.kept.get(p)
@@ -104,32 +109,55 @@ def _processing_class(trainer_class, model) -> dict:
 
 
 
-def find_peer(module: str) -> bool:
-    """Whether a peer framework must come from .peers/ (`make peers`, which keeps it off the path of everything
-    else) rather than the environment; an AuditError saying how to install it when it is in neither. Imports
-    nothing and leaves sys.path as it is: a process that then loads a model keeps torchao out."""
+def find_peer(module: str, folder: Path | None = None) -> bool:
+    """Whether a peer framework must come from a peers folder rather than the environment; an AuditError saying
+    how to install it when it is in neither. folder None: .peers/ (`make peers`, which keeps it off the path of
+    everything else), where the environment's copy, if any, comes first; a folder of its own (a release pinned
+    beside the current one, `make peers` too): only that folder, as the environment's copy is another version.
+    Imports nothing and leaves sys.path as it is: a process that then loads a model keeps torchao out."""
     import importlib.util
 
     top = module.split(".")[0]
-    if importlib.util.find_spec(top) is not None:
+    if folder is None and importlib.util.find_spec(top) is not None:
         return False
-    if (PEERS_DIR / top).is_dir():
+    if ((folder or PEERS_DIR) / top).is_dir():
         return True
+    if folder is not None:
+        raise AuditError(f"error: {top} is not installed in {folder.name}/: make peers (in a clone)")
     raise AuditError(f"error: {top} is not installed: pip install 'gradscale[peers]' (in a clone: make peers)")
 
 
-def peer(module: str):
-    """The peer framework's module, imported (in a rank process, after its model is loaded)."""
+def peer(module: str, folder: Path | None = None):
+    """The peer framework's module, imported (in a rank process, after its model is loaded), from folder where
+    given (find_peer). A process imports a framework once: one that already holds the framework from another
+    folder (a launch mixing the targets of two releases) is refused in one line."""
     import importlib
     import sys
 
-    if find_peer(module) and str(PEERS_DIR) not in sys.path:
-        sys.path.append(str(PEERS_DIR))
-        importlib.invalidate_caches()
+    top = module.split(".")[0]
+    if top in sys.modules and _pinned_folder(sys.modules[top]) != folder:
+        found = Path(getattr(sys.modules[top], "__file__", None) or top).parent
+        raise AuditError(f"error: this process imported {top} from {found} already: audit the targets of each "
+                         f"{top} release in a launch of their own")
+    if find_peer(module, folder):
+        where = str(folder or PEERS_DIR)
+        if where not in sys.path:
+            # .peers/ after the environment (find_peer preferred its copy); a pinned release before it
+            sys.path.insert(len(sys.path) if folder is None else 0, where)
+            importlib.invalidate_caches()
     return importlib.import_module(module)
 
 
+def _pinned_folder(module) -> Path | None:
+    """The pinned-release folder (.peers-NAME-VERSION/) a module was imported from, None for any other place."""
+    here = Path(getattr(module, "__file__", None) or ".").resolve()
+    return next((p for p in here.parents if p.parent == PEERS_DIR.parent and p.name.startswith(".peers-")), None)
+
+
 PEERS_DIR = Path(__file__).resolve().parents[2] / ".peers"  # a clone's `make peers`; an installed package has none
+# TRL's last release before PR 6024: 1.9.1 is the first with the fix, and its grpo_trainer.py differs from 1.9.0's by
+# that fix alone. In a folder of its own, which `make peers` fills (the Makefile reads the folder's name here).
+TRL_BEFORE_PR_6024 = PEERS_DIR.parent / ".peers-trl-1.9.0"
 
 
 def hf_trainer(model, micro_batches, world: World) -> float | None:
@@ -261,6 +289,90 @@ def trl_sft(model, micro_batches, world: World) -> float | None:
     with tempfile.TemporaryDirectory() as out:
         args = _hf_training_arguments(SFTConfig, world, out, bf16=False, dataset_kwargs={"skip_prepare_dataset": True})
         return _run_trainer(SFTTrainer, model, with_mask, args)
+
+
+# steps_per_generation S per accumulation K. K = 1: S = 1, so that --reference layout's N = 1, K = 1 row is the plain
+# step; K = 2: S = 1, two generations in one optimizer step (S < K); K = 4, 8: S = 2K, a generation spans two
+# optimizer steps (S > K, as in PR 6024's example S = 4, K = 2). Before PR 6024 dapo, cispo and vespo were x K / S.
+GRPO_STEPS_PER_GENERATION = {1: 1, 2: 1, 4: 8, 8: 16}
+GRPO_LOSS_TYPES = {  # TRL's loss types, each with how its _compute_loss normalizes a micro-batch
+    "dapo": "over num_items_in_batch, the generation batch's token count (TRL's default)",
+    "cispo": "as dapo, its clipped ratios as coefficients",
+    "vespo": "as dapo, with its gamma weights",
+    "grpo": "each sequence's token mean, meaned over the micro-batch, / K",
+    "sapo": "as grpo, with its soft gate",
+    "bnpo": "over the micro-batch's own token count, / K",
+    "dr_grpo": "over sequences x max_completion_length, / K",
+    "luspo": "each sequence's token sum, meaned over the micro-batch, / K",
+}
+
+
+def _trl_grpo(model, micro_batches, world: World, loss_type: str, folder: Path | None) -> float | None:
+    """TRL's GRPOTrainer.train(), one optimizer step, through its own _prepare_inputs (a generation every S steps,
+    buffered and split into S chunks), _generate_and_score_completions (its num_items_in_batch: the generation
+    batch's loss-mask tokens gathered over the ranks), _compute_loss for loss_type and the Trainer's accumulation.
+
+    What the adapter sets, and why:
+    - No generation: TRL's rollout_func hook returns the audit's sequences as completions. A sequence's first
+      token is the prompt, the other 23 its completion, and its env_mask (TRL's mask for completion tokens the
+      model did not generate, such as tool output) is labels[1:] != -100: TRL's loss mask is then the audit's
+      trained positions and its logits those of model(input_ids), with no padding at all.
+    - The generation batch holds exactly the step's micro-batches, unshuffled: where S >= K it is the K
+      micro-batches in order, repeated to fill S chunks (the step takes the first K; the rest are the next
+      step's share, which counts in num_items_in_batch as TRL counts it); where S < K each generation is the next
+      S micro-batches. TRL shuffles a generation batch before splitting it (shuffle_sequence_dict), which would
+      deal the step a random share of it: that shuffle is the identity for the step.
+    - Advantages 1 for every completion, set on the output of TRL's _generate_and_score_completions. TRL's own
+      are rewards normalized within groups of num_generations consecutive completions of the gathered batch,
+      and which sequences share a group depends on the layout (the audit replaces TRL's sampler, which keeps a
+      prompt's generations together). With advantage 1 and old log-probabilities equal to the current ones
+      (num_iterations=1: TRL takes per_token_logps.detach(), or where S > K computes them in a forward of the
+      same weights on the same chunks), the ratio is 1 and the surrogate's gradient is the cross-entropy's,
+      weighted as the loss type weighs its tokens: dapo is the token mean, grpo a mean of sequence means.
+      The rewards (0) only feed TRL's advantages, which this replaces; num_generations 2, the least TRL allows.
+    - beta 0 (no reference model), fp32, no gradient checkpointing (GRPOConfig defaults to bf16 and to it).
+    """
+    peer("trl", folder)
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.trainer import grpo_trainer
+
+    k, s = world.accumulation, GRPO_STEPS_PER_GENERATION[world.accumulation]
+    rows = len(micro_batches[0]["input_ids"])
+    sequences = {f"{j},{i}": (mb["input_ids"][i], mb["labels"][i]) for j, mb in enumerate(micro_batches)
+                 for i in range(rows)}
+
+    def generation_batch(step: int) -> list[dict]:  # the rows of the generation TRL draws at this step
+        first = step // s * s
+        return [{"prompt": f"{(first + c) % k},{i}"} for c in range(s) for i in range(rows)]
+
+    def rollout(prompts, trainer) -> dict:
+        ids, labels = zip(*(sequences[p] for p in prompts))
+        return {"prompt_ids": [x[:1].tolist() for x in ids], "completion_ids": [x[1:].tolist() for x in ids],
+                "logprobs": None, "env_mask": [(y[1:] != -100).int().tolist() for y in labels]}
+
+    def no_reward(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    class FixedAdvantages(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            output["advantages"] = torch.ones_like(output["advantages"])
+            return output
+
+    shuffle = grpo_trainer.shuffle_sequence_dict
+    grpo_trainer.shuffle_sequence_dict = lambda batch: batch
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            args = _hf_training_arguments(
+                GRPOConfig, world, out, per_device_train_batch_size=rows, steps_per_generation=s, num_generations=2,
+                loss_type=loss_type, beta=0.0, num_iterations=1, bf16=False, gradient_checkpointing=False,
+                importance_sampling_level="sequence" if loss_type == "luspo" else "token")
+            return _run_trainer(FixedAdvantages, model, [generation_batch(step) for step in range(k)], args,
+                                train_dataset=Dataset.from_dict({"prompt": list(sequences)}),
+                                reward_funcs=no_reward, rollout_func=rollout)
+    finally:
+        grpo_trainer.shuffle_sequence_dict = shuffle
 
 
 def accelerate_docs_loop(model, micro_batches, world: World) -> float | None:
@@ -407,6 +519,19 @@ def gradscale_step(recipe_name: str):
     return step
 
 
+def _grpo_step(loss_type: str, folder: Path | None):
+    def step(model, micro_batches, world: World) -> float | None:
+        return _trl_grpo(model, micro_batches, world, loss_type, folder)
+
+    return step
+
+
+def _grpo_targets() -> dict[str, tuple[str, Path | None]]:
+    """trl_grpo_LOSS (the peers' TRL) and trl_grpo_1_9_0_LOSS (the release before PR 6024) for each loss type."""
+    releases = {"trl_grpo": None, "trl_grpo_1_9_0": TRL_BEFORE_PR_6024}
+    return {f"{prefix}_{loss}": (loss, folder) for prefix, folder in releases.items() for loss in GRPO_LOSS_TYPES}
+
+
 def _gradscale_targets() -> dict[str, tuple[str, str]]:
     from gradscale.recipes import RECIPES
 
@@ -421,6 +546,8 @@ def __getattr__(name: str):
 
     if name.startswith("gradscale_") and name.removeprefix("gradscale_") in RECIPES:
         return gradscale_step(name.removeprefix("gradscale_"))
+    if name in _grpo_targets():
+        return _grpo_step(*_grpo_targets()[name])
     raise AttributeError(name)
 
 
@@ -432,6 +559,7 @@ class Adapter:
     target: str  # module:function
     summary: str
     requires: str | None = None
+    peers: Path | None = None  # a folder of its own for a pinned release (find_peer); None: .peers/
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -460,6 +588,11 @@ ADAPTERS: dict[str, Adapter] = {
     "torchtune_pr2172": Adapter("gradscale.audit.adapters:torchtune_pr2172",
                                 "zoo: that step with its factor before PR 2172 (1 / num_tokens: gradients 1/N)",
                                 requires="torchtune"),
+    **{name: Adapter(f"gradscale.audit.adapters:{name}",
+                     f"TRL {'1.9.0 (the release before PR 6024)' if folder else '1.16.0'} GRPOTrainer, "
+                     f"loss_type={loss}: {GRPO_LOSS_TYPES[loss]}; use --reference layout",
+                     requires="trl", peers=folder)
+       for name, (loss, folder) in _grpo_targets().items()},
 }
 
 
