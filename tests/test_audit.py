@@ -418,7 +418,7 @@ def test_trl_passes_and_torchtune_weighs_the_micro_batch_with_a_first_label_apar
         assert r.c == pytest.approx(1 / r.world_size, rel=0.02) and r.ok is ((r.world_size, r.accumulation) == (1, 1))
 
 
-GRPO_GRID = {"world_sizes": (1, 2), "accumulations": (1, 2, 4)}  # S = 1, 1, 8 (adapters.GRPO_STEPS_PER_GENERATION)
+GRPO_GRID = {"world_sizes": (1, 2), "accumulations": (1, 2, 4)}  # S = 1, 1, 8 (adapters.grpo_steps_per_generation)
 GRPO_BEFORE_FIX = ["trl_grpo_1_9_0_dapo", "trl_grpo_1_9_0_cispo", "trl_grpo_1_9_0_vespo"]  # the losses PR 6024 fixed
 
 
@@ -440,9 +440,9 @@ def dapo_weights(r: Result, rescaled: bool) -> dict[tuple[int, int], float]:
     """Each trained micro-batch's weight, against the global token mean, under TRL's dapo normalizer: the token
     count of its generation batch over all ranks (num_items_in_batch), times K / S where PR 6024 rescales it. S >= K:
     one generation, the step's K micro-batches repeated S / K times (the adapter's); S < K: the next S micro-batches."""
-    from gradscale.audit.adapters import GRPO_STEPS_PER_GENERATION
+    from gradscale.audit.adapters import grpo_steps_per_generation
 
-    k, s = r.accumulation, GRPO_STEPS_PER_GENERATION[r.accumulation]
+    k, s = r.accumulation, grpo_steps_per_generation(r.accumulation)
     total = sum(map(sum, r.tokens))
 
     def items(j: int) -> float:

@@ -291,10 +291,12 @@ def trl_sft(model, micro_batches, world: World) -> float | None:
         return _run_trainer(SFTTrainer, model, with_mask, args)
 
 
-# steps_per_generation S per accumulation K. K = 1: S = 1, so that --reference layout's N = 1, K = 1 row is the plain
-# step; K = 2: S = 1, two generations in one optimizer step (S < K); K = 4, 8: S = 2K, a generation spans two
-# optimizer steps (S > K, as in PR 6024's example S = 4, K = 2). Before PR 6024 dapo, cispo and vespo were x K / S.
-GRPO_STEPS_PER_GENERATION = {1: 1, 2: 1, 4: 8, 8: 16}
+def grpo_steps_per_generation(k: int) -> int:
+    """steps_per_generation S for accumulation K. K = 1: S = 1, so that --reference layout's N = 1, K = 1 row is
+    the plain step; K = 2: S = 1, two generations in one optimizer step (S < K); K > 2: S = 2K, a generation spans
+    two optimizer steps (S > K, as in PR 6024's example S = 4, K = 2). Before PR 6024 dapo, cispo and vespo were
+    x K / S."""
+    return 1 if k <= 2 else 2 * k
 GRPO_LOSS_TYPES = {  # TRL's loss types, each with how its _compute_loss normalizes a micro-batch
     "dapo": "over num_items_in_batch, the generation batch's token count (TRL's default)",
     "cispo": "as dapo, its clipped ratios as coefficients",
@@ -337,7 +339,7 @@ def _trl_grpo(model, micro_batches, world: World, loss_type: str, folder: Path |
     from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer
 
-    k, s = world.accumulation, GRPO_STEPS_PER_GENERATION[world.accumulation]
+    k, s = world.accumulation, grpo_steps_per_generation(world.accumulation)
     rows = len(micro_batches[0]["input_ids"])
     sequences = {f"{j},{i}": (mb["input_ids"][i], mb["labels"][i]) for j, mb in enumerate(micro_batches)
                  for i in range(rows)}
