@@ -92,10 +92,10 @@ def jobs_side_by_side(hydra_cfg) -> int:
     """The jobs that start with this one, none of which holds its memory yet: the parallel launcher's first
     n_jobs (a later job starts as one ends, beside jobs that hold theirs already); else this one."""
     n_jobs = OmegaConf.select(hydra_cfg, "launcher.n_jobs", default=None)
-    if n_jobs is None:
+    if n_jobs is None or str(OmegaConf.select(hydra_cfg, "mode", default="")) != "RunMode.MULTIRUN":
         return 1
     n_jobs = (os.cpu_count() or 1) if n_jobs < 1 else n_jobs  # joblib: -1 is every core
-    return n_jobs if hydra_cfg.job.num < n_jobs else 1
+    return n_jobs if OmegaConf.select(hydra_cfg, "job.num", default=0) < n_jobs else 1
 
 
 def check_memory(cfg: Config, side_by_side: int) -> None:

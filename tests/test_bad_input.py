@@ -136,10 +136,13 @@ def test_the_memory_check_counts_the_jobs_that_start_together_and_check_memory_f
     from tests.conftest import TINY, compose, run_in_process
 
     def hydra_cfg(n_jobs, num):
-        return OmegaConf.create({"launcher": {} if n_jobs is None else {"n_jobs": n_jobs}, "job": {"num": num}})
+        return OmegaConf.create({"launcher": {} if n_jobs is None else {"n_jobs": n_jobs}, "job": {"num": num},
+                                 "mode": "RunMode.MULTIRUN"})
 
     cases = [(None, 0), (2, 0), (2, 1), (2, 2), (4, 3)]
     assert [jobs_side_by_side(hydra_cfg(n_jobs, num)) for n_jobs, num in cases] == [1, 2, 2, 1, 4]
+    single_run = OmegaConf.create({"launcher": {"n_jobs": 2}, "job": {}, "mode": "RunMode.RUN"})
+    assert jobs_side_by_side(single_run) == 1
     cfg = to_object(compose(TINY))
     needed = memory.run_estimate(cfg, "cpu", 1).total
     assert needed == memory.estimate(cfg, "cpu", optimizer_state=True, sequences_per_forward=cfg.batch_size).total
