@@ -21,6 +21,7 @@ The recipes (`normalization=`) and what each does: gradscale/recipes.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -127,50 +128,62 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
     is memory: no [tokens, vocabulary] fp32 copy of the logits, log-probabilities, nll gradient or log-softmax
     gradient (400 MB each at SmolLM2's 16 x 128 tokens), only three block-sized buffers, reused block after
     block (fresh large blocks are page-faulted in on the CPU); the backward recomputes a block's
-    log-probabilities from the saved logits."""
+    log-probabilities from the saved logits. Where all rows fit one block (the tiny model) the log-probabilities
+    are kept from the forward instead, as F.cross_entropy keeps them: recomputing them cost the tiny model's
+    step 9 ms of its 69 (docs/performance.md)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(logits, targets)
         losses = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
         buffers = _BlockBuffers(logits)
         for rows in buffers.blocks:
             log_probs = buffers.log_probs(logits, rows)
             losses[rows] = torch.nn.functional.nll_loss(log_probs, targets[rows], ignore_index=IGNORE_INDEX,
                                                         reduction="none")
+        ctx.save_for_backward(logits, targets, log_probs if len(buffers.blocks) == 1 else None)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):
-        logits, targets = ctx.saved_tensors
+        logits, targets, kept = ctx.saved_tensors
         grad = torch.empty_like(logits)
         buffers = _BlockBuffers(logits)
         no_weight = torch.ones((), device=logits.device)
         for rows in buffers.blocks:
-            log_probs = buffers.log_probs(logits, rows)
+            log_probs = kept if kept is not None else buffers.log_probs(logits, rows)
             n = len(log_probs)
             grad_log_probs = torch.ops.aten.nll_loss_backward.grad_input(
                 grad_losses[rows], log_probs, targets[rows], None, 0, IGNORE_INDEX, no_weight,
                 grad_input=buffers.grad[:n])
-            torch.ops.aten._log_softmax_backward_data.out(grad_log_probs, log_probs, -1, torch.float32,
-                                                          out=buffers.logits[:n])
-            grad[rows] = buffers.logits[:n]
+            out = grad[rows] if grad.dtype == torch.float32 else buffers.logits[:n]  # fp32 logits: in place
+            torch.ops.aten._log_softmax_backward_data.out(grad_log_probs, log_probs, -1, torch.float32, out=out)
+            if out.data_ptr() != grad[rows].data_ptr():
+                grad[rows] = out
         return grad, None
 
 
 class _BlockBuffers:
-    """The fp32 buffers of _BlockwiseCrossEntropy: CROSS_ENTROPY_BLOCK elements each, whole rows."""
+    """The fp32 buffers of _BlockwiseCrossEntropy: CROSS_ENTROPY_BLOCK elements each, whole rows, each made
+    when first used (fp32 logits need no copy buffer)."""
 
     def __init__(self, logits: torch.Tensor):
-        rows = max(1, min(len(logits), CROSS_ENTROPY_BLOCK // logits.shape[1]))
-        self.blocks = [slice(start, start + rows) for start in range(0, len(logits), rows)]
-        self.logits, self.log_probs_out, self.grad = (
-            torch.empty(rows, logits.shape[1], dtype=torch.float32, device=logits.device) for _ in range(3))
+        self.rows = max(1, min(len(logits), CROSS_ENTROPY_BLOCK // logits.shape[1]))
+        self.blocks = [slice(start, start + self.rows) for start in range(0, len(logits), self.rows)]
+        self.shape, self.device = (self.rows, logits.shape[1]), logits.device
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+
+    logits = functools.cached_property(_buffer)
+    log_probs_out = functools.cached_property(_buffer)
+    grad = functools.cached_property(_buffer)
 
     def log_probs(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         block = logits[rows]
         n = len(block)
-        return torch.log_softmax(self.logits[:n].copy_(block), -1, out=self.log_probs_out[:n])
+        if block.dtype != torch.float32:  # fp32 logits need no copy to be read as fp32
+            block = self.logits[:n].copy_(block)
+        return torch.log_softmax(block, -1, out=self.log_probs_out[:n])
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
