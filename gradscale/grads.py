@@ -155,9 +155,10 @@ class _BlockwiseCrossEntropy(torch.autograd.Function):
             grad_log_probs = torch.ops.aten.nll_loss_backward.grad_input(
                 grad_losses[rows], log_probs, targets[rows], None, 0, IGNORE_INDEX, no_weight,
                 grad_input=buffers.grad[:n])
-            out = grad[rows] if grad.dtype == torch.float32 else buffers.logits[:n]  # fp32 logits: in place
+            in_place = grad.dtype == torch.float32  # fp32 logits: the gradient is written where it goes
+            out = grad[rows] if in_place else buffers.logits[:n]
             torch.ops.aten._log_softmax_backward_data.out(grad_log_probs, log_probs, -1, torch.float32, out=out)
-            if out.data_ptr() != grad[rows].data_ptr():
+            if not in_place:
                 grad[rows] = out
         return grad, None
 

@@ -103,15 +103,20 @@ def run_estimate(cfg, device_type: str, processes: int) -> MemoryEstimate:
                     sequences_per_forward=max(1, cfg.batch_size // cfg.grad_accum // processes))
 
 
+def _proc_kib(path: str, field: str) -> int | None:
+    """A `field:  N kB` line of a /proc file, in bytes; None where there is none (not Linux)."""
+    file = Path(path)
+    if file.is_file():
+        for line in file.read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def resident_bytes() -> int:
     """This process's resident memory (Linux; 0 elsewhere): what it holds already counts as room for what it
     will hold (gradscale.cache.keep_freed_memory keeps an earlier job's freed memory in the process)."""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_kib("/proc/self/status", "VmRSS") or 0
 
 
 def free_memory(device_type: str) -> tuple[int, str]:
@@ -122,12 +127,7 @@ def free_memory(device_type: str) -> tuple[int, str]:
 
         free, _ = torch.cuda.mem_get_info()
         return free, f"{torch.cuda.get_device_name()} has {gib(free)} GiB free"
-    available = None
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
+    available = _proc_kib("/proc/meminfo", "MemAvailable")
     if available is None:
         import os
 

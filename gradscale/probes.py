@@ -5,6 +5,7 @@ checks (config.validate judges values alone), these look at files and the machin
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -140,6 +141,7 @@ def compiler_problem(on_cuda: bool) -> str | None:
     return None
 
 
+@functools.cache  # once per process: a sweep's jobs share the CPU it measures
 def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
     """How many times longer a bf16 matmul takes than an fp32 one on this CPU (the best of a few size^3
     products each, both warmed up first): below 1 where AVX-512 BF16 or AMX runs it, tens on a CPU with
