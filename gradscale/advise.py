@@ -87,6 +87,7 @@ def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
     import torch
     from omegaconf import OmegaConf
 
+    from gradscale import kernels
     from gradscale.job import build_job
     from gradscale.optimizer_stats import gradient_records
     from gradscale.pretrain import prepare_weights
@@ -95,8 +96,9 @@ def gradient_only(cfg, run_cfg, run_dir: Path) -> None:
     job = build_job(run_cfg, source=prepare_weights(run_cfg.model))
     inputs, targets = job.batches.train_batch(0)
     params = [p for p in job.model.parameters() if p.requires_grad]
-    _, num_tokens = accumulate_gradients(job.model, inputs, targets, job.pipeline, job.ranks, run_cfg.grad_accum,
-                                         job.autocast, job.device)
+    with kernels.matmuls(job.bf16_matmul):
+        _, num_tokens = accumulate_gradients(job.model, inputs, targets, job.pipeline, job.ranks,
+                                             run_cfg.grad_accum, job.autocast, job.device)
     grad_norm, _ = job.pipeline.apply(params, num_tokens, job.ranks)
     records = gradient_records(job.optimizer, {p: n for n, p in job.model.named_parameters()})
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from gradscale import data, model, parallel, weights
+from gradscale import data, kernels, model, parallel, weights
 from gradscale.config import Config
 from gradscale.data import Batches
 from gradscale.frequency import TokenBuckets
@@ -69,18 +69,20 @@ def build_job(cfg: Config, world_size: int | None = None, batches: Batches | Non
     batches = batches or build_batches(cfg, source)
     net = build_model(cfg, device, ranks, source)
     return assemble_job(net, cfg.optimizer, batches, build_pipeline(cfg, ranks.world_size), ranks, device,
-                        cfg.precision)
+                        cfg.precision, bf16_matmul=cfg.bf16_matmul)
 
 
 def assemble_job(net: torch.nn.Module, optimizer_cfg, batches: Batches, pipeline: GradPipeline, ranks: Ranks,
-                 device: torch.device, precision: str, buckets: bool = True) -> Job:
-    """The job around a built model: its optimizer (gradscale/optimizers/), the autocast of its precision and
-    the token buckets (held-out loss by token frequency; buckets=False: none). Pretraining assembles its own."""
+                 device: torch.device, precision: str, buckets: bool = True, bf16_matmul: str = "auto") -> Job:
+    """The job around a built model: its optimizer (gradscale/optimizers/), the autocast of its precision and its
+    matmul kernels (gradscale/kernels.py), the token buckets (held-out loss by token frequency; buckets=False:
+    none). Pretraining assembles its own."""
     optimizer = build_optimizer(optimizer_cfg, [(n, p) for n, p in net.named_parameters() if p.requires_grad])
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
     return Job(net, optimizer, batches, pipeline, ranks, device, autocast,
-               build_buckets(net, batches, ranks, device) if buckets else None)
+               build_buckets(net, batches, ranks, device) if buckets else None,
+               kernels.resolve(bf16_matmul, precision, device))
 
 
 def build_buckets(net: torch.nn.Module, batches: Batches, ranks: Ranks, device: torch.device) -> TokenBuckets:

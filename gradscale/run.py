@@ -115,20 +115,6 @@ def check_memory(cfg: Config, side_by_side: int) -> None:
     log.info("memory: about %s estimated on %s%s; %s", needed.describe(), device_type, side, free)
 
 
-def warn_slow_bf16(cfg: Config) -> None:
-    """bf16 autocast on a CPU without bf16 matmul units runs many times slower than fp32: say so before the
-    run starts rather than let its first step take minutes."""
-    from gradscale.parallel import device_for
-    from gradscale.probes import bf16_slowdown
-
-    if cfg.precision != "bf16" or device_for(cfg.device).type != "cpu":
-        return
-    slowdown = bf16_slowdown()
-    if slowdown > 2:
-        log.warning("precision=bf16: this CPU multiplies bf16 matrices %.0f times slower than fp32 (no AVX-512 BF16 "
-                    "or AMX); every step will crawl: precision=fp32 is faster here", slowdown)
-
-
 def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | None = None,
             side_by_side: int = 1) -> dict[str, Any]:
     """Check the config and the memory it needs, build the job, train it, and return the summary fields.
@@ -150,7 +136,6 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
     check_environment(cfg)
     if cfg.check_memory:
         check_memory(cfg, side_by_side)
-    warn_slow_bf16(cfg)
     base = prepare_base(cfg.model)  # fetched, converted or pretrained first when not cached
     provenance = base.provenance(cfg.seed)
     log.info(provenance_line(provenance))
@@ -167,7 +152,7 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
         checkpointer.remove()
     return {**vars(result), "c_eff": pipeline.c_eff, "device": str(job.device),
             "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
-            "normalization": pipeline.recipe, "base": provenance,
+            "normalization": pipeline.recipe, "base": provenance, "bf16_matmul": job.bf16_matmul,
             "peak_cuda_memory_gib": (torch.cuda.max_memory_allocated(job.device) / 2**30
                                      if job.device.type == "cuda" else None)}
 

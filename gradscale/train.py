@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gradscale import kernels
 from gradscale.checkpoint import Checkpointer, LoopState
 from gradscale.data import Batches
 from gradscale.grads import (
@@ -57,6 +58,7 @@ class Job:
     device: torch.device
     autocast: contextlib.AbstractContextManager
     buckets: TokenBuckets | None = None  # held-out loss and output-row updates by token frequency, at evals
+    bf16_matmul: str | None = None  # "native" | "fp32" under bf16 autocast on the CPU (gradscale/kernels.py)
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def train(job: Job, loop: LoopConfig, run_log: RunLog | None = None,
                            clipped_steps=int(clipped_steps), resumed_from_step=resumed.next_step if resumed else None)
 
     steps = loop.steps
-    with Progress(steps, start.next_step, log, loop.log_every) as progress:  # gradscale/progress.py
+    with kernels.matmuls(job.bf16_matmul), Progress(steps, start.next_step, log, loop.log_every) as progress:
         for step in range(start.next_step, steps):
             progress.step_started(step)
             inputs, targets = batches.train_batch(step)  # the global batch: all ranks, all micro-batches

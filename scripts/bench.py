@@ -176,14 +176,16 @@ def bare_loop(job, cfg, steps: int) -> None:
     token_loss_sum = measured_module("grads").token_loss_sum
 
     model, optimizer, device = job.model, job.optimizer, job.device
-    for step in range(steps):
-        inputs, targets = (t.to(device) for t in job.batches.train_batch(step))
-        with job.autocast:
-            logits = model(input_ids=inputs).logits
-        loss = token_loss_sum(logits, targets) / (targets != -100).sum()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    kernels = getattr(job, "bf16_matmul", None)  # the suite's bf16 kernels (gradscale/kernels.py), if it picks any
+    with measured_module("kernels").matmuls(kernels) if kernels else contextlib.nullcontext():
+        for step in range(steps):
+            inputs, targets = (t.to(device) for t in job.batches.train_batch(step))
+            with job.autocast:
+                logits = model(input_ids=inputs).logits
+            loss = token_loss_sum(logits, targets) / (targets != -100).sum()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
 
 def suite_loop(job, cfg, steps: int, log_every: int | None = None, metrics: bool = True) -> None:

@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from gradscale.cache import keep_freed_memory
+    from gradscale.kernels import matmuls
     from gradscale.train import accumulate_gradients
 
     keep_freed_memory()
@@ -49,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(i: int) -> None:
         inputs, targets = job.batches.train_batch(i)
-        _, num_tokens = accumulate_gradients(job.model, inputs, targets, job.pipeline, job.ranks, cfg.grad_accum,
-                                             job.autocast, job.device)
+        with matmuls(job.bf16_matmul):  # as train() runs it
+            _, num_tokens = accumulate_gradients(job.model, inputs, targets, job.pipeline, job.ranks, cfg.grad_accum,
+                                                 job.autocast, job.device)
         job.pipeline.apply(params, num_tokens, job.ranks, measure=False)
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)

@@ -160,24 +160,3 @@ def test_the_memory_check_counts_the_jobs_that_start_together_and_check_memory_f
         run_in_process(tmp_path / "refused", [])
     result, _ = run_in_process(tmp_path / "anyway", ["check_memory=false"])
     assert result["steps_done"] == 4
-
-
-def test_a_bf16_run_on_a_cpu_that_crawls_in_bf16_is_warned_before_it_starts(monkeypatch, caplog):
-    """bf16 matmuls without AVX-512 BF16 or AMX take many times fp32's: the run says so; fp32 runs and a CPU
-    that multiplies bf16 fast get no warning. The probe itself measures a positive ratio."""
-    import logging
-
-    from gradscale import probes
-    from gradscale.hydra_glue import to_object
-    from gradscale.run import warn_slow_bf16
-    from tests.conftest import TINY, compose
-
-    assert probes.bf16_slowdown(size=64, repeats=1) > 0
-    for precision, slowdown, warned in [("bf16", 23.0, True), ("bf16", 0.4, False), ("fp32", 23.0, False)]:
-        monkeypatch.setattr(probes, "bf16_slowdown", lambda measured=slowdown: measured)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="gradscale"):
-            warn_slow_bf16(to_object(compose([*TINY, f"precision={precision}"])))
-        said = [r.getMessage() for r in caplog.records if "bf16 matrices" in r.getMessage()]
-        assert bool(said) is warned, (precision, slowdown, said)
-    assert said == [] or "23 times slower than fp32" in said[0]

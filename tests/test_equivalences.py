@@ -82,11 +82,17 @@ def test_batch_order_is_a_pure_function_of_seed_and_step(cache_dir):
 
 
 def test_bf16_autocast_trains_and_differs_from_fp32(tmp_path, cache_dir):
+    """Also with either matmul kernels (gradscale/kernels.py): fp32 kernels on bf16 operands train as the bf16
+    kernels do, closer to them than bf16 is to fp32 at the first step."""
     _, fp32 = run_in_process(tmp_path / "a", ["precision=fp32"])
-    _, bf16 = run_in_process(tmp_path / "b", ["precision=bf16"])
+    summary, bf16 = run_in_process(tmp_path / "b", ["precision=bf16", "bf16_matmul=native"])
+    emulated_summary, emulated = run_in_process(tmp_path / "c", ["precision=bf16", "bf16_matmul=fp32"])
+    assert (summary["bf16_matmul"], emulated_summary["bf16_matmul"]) == ("native", "fp32")
     assert losses(bf16)[-1] < losses(bf16)[0]
     assert losses(bf16) != losses(fp32)  # autocast really changed the arithmetic
     assert losses(bf16) == pytest.approx(losses(fp32), rel=2e-2)
+    assert abs(losses(emulated)[0] - losses(bf16)[0]) < abs(losses(fp32)[0] - losses(bf16)[0]) / 5
+    assert losses(emulated) == pytest.approx(losses(bf16), rel=2e-2)
 
 
 def test_same_config_and_seed_give_identical_metrics(tmp_path, cache_dir):
