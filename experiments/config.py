@@ -201,6 +201,7 @@ class Config:
     grad_accum: int = 1
     clip_grad_norm: float | None = None
     precision: str = "fp32"  # fp32 | bf16 (autocast)
+    bf16_matmul: str = "auto"  # auto | native | fp32: bf16 autocast's CPU matmul kernels (experiments/kernels.py)
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile the model (docs/performance.md: what it buys, measured)
     log_every: int = 5
@@ -220,6 +221,7 @@ DATASETS = ("pydoc", "docstrings", "jsonl", "hf")
 TEMPLATES = ("auto", "chat", "alpaca")
 INITS = ("pretrained", "random")
 PRECISIONS = ("fp32", "bf16")
+BF16_MATMULS = ("auto", "native", "fp32")  # experiments/kernels.py
 DEVICES = ("auto", "cpu", "cuda")
 WANDB_MODES = ("offline", "online", "disabled")
 STRATEGIES = ("ddp", "fsdp2")
@@ -265,6 +267,7 @@ def validate(cfg: DictConfig | Config, overrides: list[str] | None = None) -> No
     if cfg.clip_grad_norm is not None:
         finite_positive("clip_grad_norm", cfg.clip_grad_norm)
     check(cfg.precision in PRECISIONS, "precision", cfg.precision, f"one of {', '.join(PRECISIONS)}")
+    check(cfg.bf16_matmul in BF16_MATMULS, "bf16_matmul", cfg.bf16_matmul, f"one of {', '.join(BF16_MATMULS)}")
     check(cfg.device in DEVICES, "device", cfg.device, f"one of {', '.join(DEVICES)}")
     optimizer = optimizer_entry(cfg.optimizer.name)
     for section in (cfg.wandb, cfg.normalization, cfg.dist, cfg.optimizer, cfg.finetune, cfg.model, cfg.data):

@@ -91,7 +91,7 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
     run_dir: where checkpoints go (every cfg.checkpoint_every steps); a checkpoint there is resumed from."""
     import torch
 
-    from experiments import checkpoint
+    from experiments import checkpoint, kernels
     from experiments.config import resolve_world_size, validate
     from experiments.job import build_job
     from experiments.pretrain import prepare_weights
@@ -109,12 +109,17 @@ def run_job(cfg: Config, run_log, overrides: list[str] = (), run_dir: Path | Non
              job.device)
     checkpointer = (checkpoint.Checkpointer(run_dir, cfg.checkpoint_every, ranks)
                     if run_dir is not None and cfg.checkpoint_every else None)
-    result = train(job, LoopConfig.of(cfg), run_log, checkpointer)
+    matmuls = kernels.resolve(cfg.bf16_matmul, cfg.precision, job.device)
+    if matmuls == "fp32":
+        log.info("bf16 matmuls by fp32 kernels on bf16 operands (experiments/kernels.py): this CPU's bf16 kernels "
+                 "are %.0f times slower", kernels.bf16_slowdown())
+    with kernels.context(matmuls):
+        result = train(job, LoopConfig.of(cfg), run_log, checkpointer)
     if checkpointer is not None:
         checkpointer.remove()
     return {**vars(result), "c_eff": pipeline.c_eff, "device": str(job.device),
             "world_size": ranks.world_size, "ranks": f"{cfg.dist.strategy}" if ranks.real else "emulated",
-            "normalization": pipeline.recipe,
+            "normalization": pipeline.recipe, "bf16_matmul": matmuls,
             "peak_cuda_memory_gib": (torch.cuda.max_memory_allocated(job.device) / 2**30
                                      if job.device.type == "cuda" else None)}
 

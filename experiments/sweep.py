@@ -50,6 +50,8 @@ class ValidateBeforeRun(Callback):
 
 # Keys that change nothing a run computes: a re-run sweep may set them differently.
 NON_RESULT_KEYS = ("wandb",)
+# Keys added after a study's first runs, left out of the comparison with the runs that lack them.
+ADDED_SINCE = ("bf16_matmul",)
 
 
 def check_same_sweep(sweep_dir: Path, jobs: dict[tuple[str, ...], DictConfig]) -> dict[tuple[str, ...], Path]:
@@ -124,6 +126,9 @@ def check_same_config(job_dir: Path, cfg: DictConfig, key: str, folder: Path, th
     """The run in job_dir ran with cfg's values (NON_RESULT_KEYS aside), or a one-line ConfigError."""
     before = _result_config(OmegaConf.load(job_dir / ".hydra" / "config.yaml"))
     now = _result_config(cfg)
+    for added in ADDED_SINCE:  # a run from before the key was added could not set it
+        if added not in before:
+            now.pop(added, None)
     if before != now:
         changed = next(k for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k))
         ran = f"{job_dir.name} ran" if job_dir != folder else "ran"
