@@ -1,7 +1,8 @@
 """The bug zoo: steps with the gradient-scaling bugs that shipped in public frameworks, each beside its fix.
 
 Each entry is a plain data-parallel step (DistributedDataParallel on gloo, or an explicit all-reduce where the
-engine's own reduction is the bug) with the one line the incident got wrong. The audit must flag every bug
+engine's own reduction is the bug), or for pipeline parallelism torch.distributed.pipelining stages on the ranks,
+with the one line the incident got wrong. The audit must flag every bug
 with the multiplier or residual its mechanism predicts (`expected_c`, where the mechanism is a multiplier) and
 pass every fix: the audit's own mutation self-test (tests/test_audit.py). docs/audit.md has the table.
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from gradscale.audit.contract import IGNORE_INDEX, World, trained_tokens
+from gradscale.audit.contract import IGNORE_INDEX, AuditError, World, trained_tokens
 
 PARALLEL_DEGREE = 2  # the tensor- / context-parallel size the over-counting and context-parallel entries assume
 STEPS_PER_GENERATION = 2  # TRL GRPO's steps_per_generation in its entry: the bug shows where K differs from it
@@ -197,14 +198,6 @@ def context_shards_own_count(model, micro_batches, world: World) -> float:
     return grad_norm(model)
 
 
-def pipeline_token_sum(model, micro_batches, world: World) -> float:
-    """A pipeline schedule's loss function that returns the token sum where the step divides by the global
-    count (torchtitan issue 2972): gradients x the global trained-token count."""
-    net = DistributedDataParallel(model)
-    accumulate(net, micro_batches, lambda k, mb: token_loss_sum(net, mb) * world.size)  # the bug: no / tokens
-    return grad_norm(model)
-
-
 def data_and_accumulation_overcount(model, micro_batches, world: World) -> float:
     """Gradients summed over ranks and micro-batches, and the loss scaled by N x K as if both averaged (NeMo
     Automodel PRs 3359, 3830): x N K."""
@@ -259,6 +252,104 @@ def _summed_over_ranks_then_divided(model, micro_batches, world: World, divide_e
         dist.all_reduce(p.grad)
         if divide_experts or "mlp" not in name:
             p.grad /= world.size
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline parallelism: torch.distributed.pipelining stages, one per rank (no data parallelism: N is the
+# pipeline's degree). Every rank gathers the global batch; accumulation step k runs the schedule over every rank's
+# micro-batch k, in PIPELINE_MICROBATCHES pipeline micro-batches; then each parameter's gradient, held by the
+# rank whose stage owns it, is summed onto every rank (a tied embedding's two stages add up), as the contract asks.
+
+PIPELINE_MICROBATCHES = 2  # the schedule's n_microbatches per accumulation step
+
+
+class _PipelineStage(torch.nn.Module):
+    """Some consecutive blocks of a Llama-style model (its embedding, decoder layers, final norm with the output
+    head), running as the model's own forward does (its causal mask and rotary embeddings)."""
+
+    def __init__(self, model, blocks: list):
+        super().__init__()
+        inner = model.model
+        self.config = model.config
+        self.embed = inner.embed_tokens if "embed" in blocks else None
+        self.layers = torch.nn.ModuleList(inner.layers[i] for i in blocks if isinstance(i, int))
+        self.norm, self.lm_head = (inner.norm, model.lm_head) if "head" in blocks else (None, None)
+        self.rotary = inner.rotary_emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.embed(x) if self.embed is not None else x
+        if len(self.layers):
+            positions = torch.arange(h.shape[1], device=h.device)[None]
+            rope = self.rotary(h, position_ids=positions)
+            mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
+                                      position_ids=positions)
+            for layer in self.layers:
+                h = layer(h, attention_mask=mask, position_embeddings=rope, position_ids=positions)
+        return self.lm_head(self.norm(h)) if self.lm_head is not None else h
+
+
+def _stage_of(model, world: World) -> _PipelineStage:
+    """The rank's stage: the model's blocks cut into N consecutive runs of about equal length."""
+    if not all(hasattr(model, a) for a in ("model", "lm_head")) or not hasattr(model.model, "embed_tokens"):
+        raise AuditError("error: the pipeline entries cut a Llama-style model (model.embed_tokens, model.layers, "
+                         f"model.norm, lm_head) into stages; {type(model).__name__} is not one")
+    blocks = ["embed", *range(len(model.model.layers)), "head"]
+    if world.size > len(blocks):
+        raise AuditError(f"error: the model has {len(blocks)} pipeline blocks, too few for {world.size} stages")
+    bounds = [round(i * len(blocks) / world.size) for i in range(world.size + 1)]
+    return _PipelineStage(model, blocks[bounds[world.rank]:bounds[world.rank + 1]])
+
+
+def _pipeline_step(model, micro_batches, world: World, scale_grads: bool,
+                   loss_of: Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]) -> float:
+    """loss_of(logits, labels, global trained tokens, pipeline micro-batches) is the schedule's loss_fn."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    shares = [None] * world.size
+    dist.all_gather_object(shares, [(mb["input_ids"], mb["labels"]) for mb in micro_batches])
+    tokens = sum(trained_tokens(labels) for share in shares for _, labels in share)
+    stage = PipelineStage(_stage_of(model, world), world.rank, world.size, torch.device("cpu"))
+    first, last = world.rank == 0, world.rank == world.size - 1
+    for k in range(world.accumulation):
+        input_ids = torch.cat([share[k][0] for share in shares])
+        labels = torch.cat([share[k][1] for share in shares])
+        m = min(PIPELINE_MICROBATCHES, len(input_ids))
+        schedule = ScheduleGPipe(stage, m, loss_fn=lambda logits, target, m=m: loss_of(logits, target, tokens, m),
+                                 scale_grads=scale_grads)
+        schedule.step(*([input_ids] if first else []), target=labels if last else None)
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+    return grad_norm(model)
+
+
+def _logits_token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def pipeline_global_token_mean(model, micro_batches, world: World) -> float:
+    """The fix (torchtitan PR 1732): the schedule leaves the gradients alone (scale_grads=False) and the loss
+    carries the whole factor, each pipeline micro-batch's token sum over the global trained-token count."""
+    return _pipeline_step(model, micro_batches, world, False,
+                          lambda lg, t, tokens, m: _logits_token_sum(lg, t) / tokens)
+
+
+def pipeline_scale_grads_accumulation(model, micro_batches, world: World) -> float:
+    """torchtitan before PR 1732 (issue 1733): the schedule's scale_grads=True divides all of the stage's
+    gradients by n_microbatches after each step, the ones accumulated from earlier steps too: exact at K = 1
+    (the loss is scaled up to match), a moving average over the steps at K > 1 (step k of K weighs m^-(K-1-k))."""
+    return _pipeline_step(model, micro_batches, world, True,
+                          lambda lg, t, tokens, m: _logits_token_sum(lg, t) * m / tokens)
+
+
+def pipeline_token_sum(model, micro_batches, world: World) -> float:
+    """The schedule's loss function returns the token sum where the step divides by the global count (torchtitan
+    issue 2972): gradients x the global trained-token count."""
+    return _pipeline_step(model, micro_batches, world, False, lambda lg, t, tokens, m: _logits_token_sum(lg, t))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,11 +413,15 @@ ZOO = (
           "Megatron-LM PR 7513 (each context-parallel shard over its own token count)",
           f"each of {PARALLEL_DEGREE} context shards divides by its own trained count and the shards average: "
           "tokens of sparse shards weigh more (emulated)"),
-    Entry("pipeline_token_sum", "global_token_mean",
+    Entry("pipeline_token_sum", "pipeline_global_token_mean",
           "torchtitan issue 2972 (pipeline-parallel gradients global_valid_tokens x larger)",
-          "the pipeline's loss function returns the token sum: gradients x the global trained-token count "
-          "(emulated)",
+          "the pipeline schedule's loss function returns the token sum: gradients x the global trained-token count",
           expected_c=lambda n, k, t: float(t)),
+    Entry("pipeline_scale_grads_accumulation", "pipeline_global_token_mean",
+          "torchtitan issue 1733 (PR 1732: accumulation under scale_grads=True, a moving average)",
+          f"the schedule divides every gradient by its {PIPELINE_MICROBATCHES} micro-batches after each "
+          "accumulation step, the earlier steps' again: later steps weigh more",
+          shows=lambda n, k: k > 1),
     Entry("data_and_accumulation_overcount", "global_token_mean",
           "NeMo Automodel PRs 3359, 3830 (8x at dp 4 x accumulation 2)",
           "gradients summed over ranks and micro-batches, the loss scaled by N K as if averaged: x N K",
