@@ -14,6 +14,21 @@ class AuditError(RuntimeError):
     """Bad input to the audit: the message is one line, says what is wrong and what is allowed."""
 
 
+def import_callable(module_name: str, name: str, named: str):
+    """module_name's function `name`, or an AuditError that starts with `named` (how the user named it)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module's own error (a SyntaxError) while importing it
+        raise AuditError(f"error: {named}: cannot import {module_name!r} ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    found = getattr(module, name, None)
+    if not callable(found):
+        raise AuditError(f"error: {named}: {module_name!r} has no function {name!r}")
+    return found
+
+
 @dataclass(frozen=True)
 class World:
     rank: int

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
-from gradscale.audit.contract import AuditError
+from gradscale.audit.contract import AuditError, import_callable
 
 
 def resolve_model(spec: str) -> Callable:
@@ -16,15 +15,7 @@ def resolve_model(spec: str) -> Callable:
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise AuditError(f"error: --model {spec}: must be module:factory (a function that returns the model)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the module's own error while importing it
-        raise AuditError(f"error: --model {spec}: cannot import {module_name!r} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise AuditError(f"error: --model {spec}: {module_name!r} has no function {name!r}")
-    return factory
+    return import_callable(module_name, name, f"--model {spec}")
 
 
 def vocab_size_of(model, spec: str | None) -> int:

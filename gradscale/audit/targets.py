@@ -3,10 +3,9 @@ resolved to the step function."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
-from gradscale.audit.contract import AuditError
+from gradscale.audit.contract import AuditError, import_callable
 
 
 def builtin_targets() -> dict[str, tuple[str, str]]:
@@ -34,12 +33,4 @@ def resolve_target(spec: str) -> Callable:
         raise AuditError(f"error: target {spec!r} is neither a built-in target ({', '.join(sorted(builtins))}) "
                          "nor module:function")
     module_name, _, function_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the module's own error (a SyntaxError) while importing it
-        raise AuditError(f"error: target {spec!r}: cannot import {module_name!r} ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
-    step = getattr(module, function_name, None)
-    if not callable(step):
-        raise AuditError(f"error: target {spec!r}: {module_name!r} has no function {function_name!r}")
-    return step
+    return import_callable(module_name, function_name, f"target {spec!r}")
