@@ -253,10 +253,13 @@ USER_STEPS = [f"tests.helpers.audit_steps:{name}" for name in (
 @pytest.fixture(scope="module")
 def audited():
     """Every target below on 1, 2 and 4 real ranks, K = 1 and 4: one launch per world size for all of them; each
-    zoo entry against the objective its fix computes, every other target against the token mean."""
-    targets = ZOO_TARGETS + OWN_TARGETS + USER_STEPS
+    zoo entry against the objective its fix computes (or against its own N = 1, K = 1 gradient, where the fix
+    computes no declared objective), every other target against the token mean."""
+    layout_mode = {name for e in ZOO if e.reference == "layout" for name in (e.name, e.fixed)}
+    targets = [t for t in ZOO_TARGETS if t not in layout_mode] + OWN_TARGETS + USER_STEPS
     objectives = {t: "token-mean" for t in targets} | {name: e.objective for e in ZOO for name in (e.name, e.fixed)}
-    return audit_many(targets, world_sizes=(1, 2, 4), accumulations=(1, 4), objective=objectives)
+    return {**audit_many(targets, world_sizes=(1, 2, 4), accumulations=(1, 4), objective=objectives),
+            **audit_many(sorted(layout_mode), world_sizes=(1, 2, 4), accumulations=(1, 4), reference="layout")}
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +299,12 @@ def test_every_zoo_bug_is_flagged_as_its_mechanism_predicts_and_every_fix_passes
             elif ZOO_BY_NAME[name].shows(r.world_size, r.accumulation):
                 assert r.reasons[0].startswith("residual") and r.residual > 0.01, (name, r.reasons)
     assert all(r.logged_over_true < 1 - 0.1 for r in results["local_shard_norm"] if r.world_size > 1)
+    # an auxiliary loss over N: a small residual the layout sets, alike at every K of a world size
+    aux = {(r.world_size, r.accumulation): r for r in results["moe_aux_loss_over_dp"]}
+    for n in (2, 4):
+        assert "an auxiliary loss" in aux[n, 1].reasons[0], aux[n, 1].reasons
+        assert aux[n, 1].residual == pytest.approx(aux[n, 4].residual, rel=1e-2)
+    assert aux[2, 1].residual < aux[4, 1].residual
 
 
 @pytest.mark.distributed

@@ -188,8 +188,10 @@ def _residual_reason(r: Result, reference_name: str, tolerance: float) -> str:
     if r.fits:
         return f"{head}: the gradient is that of {' or of '.join(r.fits)}"
     if r.residual < BF16_RESIDUAL:
-        return (f"{head}: of the order of bf16's rounding (2^-8 = 3.9e-3), not of a weighting bug (0.05 and more "
-                f"on this batch): a step in bf16? it passes with --tolerance {BF16_RESIDUAL:g}")
+        return (f"{head}: of the order of bf16's rounding (2^-8 = 3.9e-3), not of a token weighting bug (0.05 and "
+                f"more on this batch): a step in bf16 (it passes with --tolerance {BF16_RESIDUAL:g}), or a small term "
+                "weighted by the layout, such as an auxiliary loss (the same residual at every K of a world size, "
+                "none at N = 1)")
     if (r.world_size, r.accumulation) != (1, 1) and r.same_at_every_layout(tolerance):
         return (f"{head}, the same gradient as at N = 1, K = 1: not a reduction over ranks or micro-batches but an "
                 f"objective other than {reference_name}")

@@ -33,9 +33,11 @@ STEPS_PER_GENERATION = 2  # TRL GRPO's steps_per_generation in its entry: the bu
 def token_loss_sum(model, micro_batch) -> torch.Tensor:
     """Summed cross-entropy over the micro-batch's trained tokens (transformers' shift: position t predicts
     labels[t + 1])."""
-    logits = model(input_ids=micro_batch["input_ids"]).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
-                                             micro_batch["labels"][:, 1:].flatten(),
+    return _logits_token_sum(model(input_ids=micro_batch["input_ids"]).logits, micro_batch["labels"])
+
+
+def _logits_token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                              ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -255,6 +257,41 @@ def _summed_over_ranks_then_divided(model, micro_batches, world: World, divide_e
 
 
 # ---------------------------------------------------------------------------------------------
+# An auxiliary loss beside the cross-entropy (an MoE router's): right where its weight does not depend on the
+# layout. Checked with --reference layout, as the sum is no declared objective.
+
+AUX_COEFFICIENT = 1e-2  # the auxiliary loss's weight (Megatron's moe_z_loss_coeff is of this order)
+
+
+def _with_auxiliary_loss(model, micro_batches, world: World, aux_divisor: int) -> float:
+    """The global token mean of the cross-entropy plus AUX_COEFFICIENT x a z-loss, the mean over every position
+    (trained or not, as a router's loss covers every routed token) of logsumexp(logits)^2; each micro-batch's
+    z-loss over K, averaged over ranks by DDP: the global mean, since every micro-batch holds as many positions.
+    aux_divisor: what the auxiliary term is divided by besides (1 where right)."""
+    net = DistributedDataParallel(model)
+    tokens = global_tokens(micro_batches)
+
+    def loss_of(k, mb):
+        logits = net(input_ids=mb["input_ids"]).logits
+        return (_logits_token_sum(logits, mb["labels"]) * world.size / tokens
+                + AUX_COEFFICIENT * logits.float().logsumexp(-1).pow(2).mean() / world.accumulation / aux_divisor)
+
+    accumulate(net, micro_batches, loss_of)
+    return grad_norm(model)
+
+
+def moe_aux_loss_averaged(model, micro_batches, world: World) -> float:
+    """The fix: each micro-batch's auxiliary loss over K, DDP's average over ranks doing the rest."""
+    return _with_auxiliary_loss(model, micro_batches, world, 1)
+
+
+def moe_aux_loss_over_dp(model, micro_batches, world: World) -> float:
+    """The auxiliary loss divided by the data-parallel size as well (Megatron-LM PR 3769), though DDP averages over
+    the ranks already: its weight is 1/N of the cross-entropy's."""
+    return _with_auxiliary_loss(model, micro_batches, world, world.size)
+
+
+# ---------------------------------------------------------------------------------------------
 # Pipeline parallelism: torch.distributed.pipelining stages, one per rank (no data parallelism: N is the
 # pipeline's degree). Every rank gathers the global batch; accumulation step k runs the schedule over every rank's
 # micro-batch k, in PIPELINE_MICROBATCHES pipeline micro-batches; then each parameter's gradient, held by the
@@ -326,11 +363,6 @@ def _pipeline_step(model, micro_batches, world: World, scale_grads: bool,
     return grad_norm(model)
 
 
-def _logits_token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 def pipeline_global_token_mean(model, micro_batches, world: World) -> float:
     """The fix (torchtitan PR 1732): the schedule leaves the gradients alone (scale_grads=False) and the loss
     carries the whole factor, each pipeline micro-batch's token sum over the global trained-token count."""
@@ -369,6 +401,7 @@ class Entry:
     # where the bug shows at all: (N, K) -> bool
     shows: Callable[[int, int], bool] = lambda n, k: True
     objective: str = "token-mean"  # what the fix computes (gradscale-audit --objective)
+    reference: str = "objective"  # layout: the fix computes no declared objective (gradscale-audit --reference)
 
 
 ZOO = (
@@ -413,6 +446,11 @@ ZOO = (
           "Megatron-LM PR 7513 (each context-parallel shard over its own token count)",
           f"each of {PARALLEL_DEGREE} context shards divides by its own trained count and the shards average: "
           "tokens of sparse shards weigh more (emulated)"),
+    Entry("moe_aux_loss_over_dp", "moe_aux_loss_averaged",
+          "Megatron-LM PR 3769 (the MoE auxiliary loss 1/dp)",
+          f"an auxiliary loss (a z-loss, weight {AUX_COEFFICIENT:g}) divided by the data-parallel size though DDP "
+          "averages already: its weight 1/N (use --reference layout)",
+          shows=lambda n, k: n > 1, reference="layout"),
     Entry("pipeline_token_sum", "pipeline_global_token_mean",
           "torchtitan issue 2972 (pipeline-parallel gradients global_valid_tokens x larger)",
           "the pipeline schedule's loss function returns the token sum: gradients x the global trained-token count",
