@@ -427,6 +427,23 @@ def test_trl_passes_and_torchtune_weighs_the_micro_batch_with_a_first_label_apar
         assert r.c == pytest.approx(1 / r.world_size, rel=0.02) and r.ok is ((r.world_size, r.accumulation) == (1, 1))
 
 
+@pytest.mark.distributed
+@pytest.mark.frameworks
+def test_deepspeeds_docs_loop_means_per_micro_batch_and_its_token_count_loop_passes():
+    """DeepSpeed ZeRO 2 on the CPU, where the environment has deepspeed (`make peers` does not install it: its
+    CPU ops compile at first use): engine.backward divides by K and the ranks average, so the model's own mean loss
+    is a mean of micro-batch means, and the loss over the global count, x K x N, is right."""
+    if not installed("deepspeed_docs_loop"):
+        pytest.skip("deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed)")
+    results = audit_many(["deepspeed_docs_loop", "deepspeed_token_loop"], world_sizes=(1, 2, 4), accumulations=(1, 4))
+    first = {(r.world_size, r.accumulation): r for r in results["deepspeed_docs_loop"]}
+    assert first[1, 1].ok and all(not r.ok for key, r in first.items() if key != (1, 1))
+    assert "per-micro-batch token means x1" in first[1, 4].reasons[0]
+    assert first[2, 1].c == pytest.approx(0.5, rel=1e-5)  # the second rank trains nothing
+    assert all(r.ok for r in results["deepspeed_token_loop"]), report(
+        "deepspeed_token_loop", results["deepspeed_token_loop"], TOLERANCE)
+
+
 GRPO_GRID = {"world_sizes": (1, 2), "accumulations": (1, 2, 4)}  # S = 1, 1, 8 (adapters.grpo_steps_per_generation)
 GRPO_BEFORE_FIX = ["trl_grpo_1_9_0_dapo", "trl_grpo_1_9_0_cispo", "trl_grpo_1_9_0_vespo"]  # the losses PR 6024 fixed
 

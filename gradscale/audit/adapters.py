@@ -109,7 +109,7 @@ def _processing_class(trainer_class, model) -> dict:
 
 
 
-def find_peer(module: str, folder: Path | None = None) -> bool:
+def find_peer(module: str, folder: Path | None = None, install: str | None = None) -> bool:
     """Whether a peer framework must come from a peers folder rather than the environment; an AuditError saying
     how to install it when it is in neither. folder None: .peers/ (`make peers`, which keeps it off the path of
     everything else), where the environment's copy, if any, comes first; a folder of its own (a release pinned
@@ -124,7 +124,8 @@ def find_peer(module: str, folder: Path | None = None) -> bool:
         return True
     if folder is not None:
         raise AuditError(f"error: {top} is not installed in {folder.name}/: make peers (in a clone)")
-    raise AuditError(f"error: {top} is not installed: pip install 'gradscale[peers]' (in a clone: make peers)")
+    install = install or "pip install 'gradscale[peers]' (in a clone: make peers)"
+    raise AuditError(f"error: {top} is not installed: {install}")
 
 
 def peer(module: str, folder: Path | None = None):
@@ -472,6 +473,53 @@ def _lightning_fit(model, micro_batches, world: World, loss_of) -> float | None:
     return _kept(model, optimizer_of[0], None)
 
 
+def deepspeed_docs_loop(model, micro_batches, world: World) -> float | None:
+    """DeepSpeed's loop as its getting-started guide shows it: the model's own loss (each micro-batch's token
+    mean), engine.backward (which divides by gradient_accumulation_steps = K), engine.step; ZeRO stage 2 on gloo."""
+    return _deepspeed_step(model, micro_batches, world, lambda net, mb, items: net(**mb).loss)
+
+
+def deepspeed_token_loop(model, micro_batches, world: World) -> float | None:
+    """That loop with the loss over the global trained-token count (labels[:, 1:], summed over ranks), x K x N:
+    the engine divides by K and averages over the ranks."""
+    return _deepspeed_step(model, micro_batches, world, lambda net, mb, items: (
+        net(**mb, num_items_in_batch=items).loss * world.accumulation * world.size))
+
+
+def _deepspeed_step(model, micro_batches, world: World, loss_of) -> float | None:
+    """One step of K micro-batches through a DeepSpeed engine (ZeRO stage 2, fp32, on the CPU: DS_ACCELERATOR=cpu)
+    around torch SGD at lr 0; the gradient is read at the accumulation boundary, before engine.step, as the whole
+    averaged gradient on every rank (deepspeed.utils.safe_get_full_grad: ZeRO 2 keeps only a shard per rank)."""
+    import os
+
+    import torch.distributed as dist
+
+    from gradscale.audit.contract import trained_tokens
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed = peer("deepspeed")
+    from deepspeed.utils import safe_get_full_grad
+
+    deepspeed.init_distributed(dist_backend="gloo")  # the audit's process group, kept
+    items = torch.tensor(sum(trained_tokens(mb["labels"]) for mb in micro_batches))
+    dist.all_reduce(items)
+    micro = len(micro_batches[0]["input_ids"])
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": world.accumulation,
+              "train_batch_size": micro * world.accumulation * world.size, "zero_optimization": {"stage": 2},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                      config=config)
+    grads = {}
+    for mb in micro_batches:
+        engine.backward(loss_of(engine, mb, items.item()))
+        if engine.is_gradient_accumulation_boundary():
+            grads = {p: safe_get_full_grad(p) for p in model.parameters()}  # a collective: every rank calls it
+        engine.step()
+    for p in model.parameters():
+        p.grad = grads[p].detach().clone()
+    return None
+
+
 def _accelerator(model, world: World):
     """A fresh Accelerator (its singletons reset: one job per accumulation runs in this process) with K as its
     gradient_accumulation_steps, and the model and a KeepGradients optimizer prepared."""
@@ -562,6 +610,7 @@ class Adapter:
     summary: str
     requires: str | None = None
     peers: Path | None = None  # a folder of its own for a pinned release (find_peer); None: .peers/
+    install: str | None = None  # how to install `requires` where `make peers` does not (None: it does)
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -582,6 +631,13 @@ ADAPTERS: dict[str, Adapter] = {
     "lightning_token_loop": Adapter("gradscale.audit.adapters:lightning_token_loop",
                                     "Lightning's Trainer with the loss over the global trained-token count, x K x N",
                                     requires="lightning"),
+    "deepspeed_docs_loop": Adapter("gradscale.audit.adapters:deepspeed_docs_loop",
+                                   "DeepSpeed's loop as its guide shows it: the model's mean loss per micro-batch, "
+                                   "engine.backward, ZeRO stage 2 on gloo", requires="deepspeed",
+                                   install="DS_BUILD_OPS=0 pip install deepspeed"),
+    "deepspeed_token_loop": Adapter("gradscale.audit.adapters:deepspeed_token_loop",
+                                    "DeepSpeed ZeRO 2 with the loss over the global trained-token count, x K x N",
+                                    requires="deepspeed", install="DS_BUILD_OPS=0 pip install deepspeed"),
     "trl_sft": Adapter("gradscale.audit.adapters:trl_sft",
                        "TRL 1.16.0's SFTTrainer in fp32, gradient_accumulation_steps=K", requires="trl"),
     "torchtune": Adapter("gradscale.audit.adapters:torchtune",

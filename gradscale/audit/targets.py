@@ -27,7 +27,7 @@ def resolve_target(spec: str) -> Callable:
 
     builtins = builtin_targets()
     if spec in ADAPTERS and ADAPTERS[spec].requires:
-        find_peer(ADAPTERS[spec].requires, ADAPTERS[spec].peers)
+        find_peer(ADAPTERS[spec].requires, ADAPTERS[spec].peers, ADAPTERS[spec].install)
     path = builtins[spec][0] if spec in builtins else spec
     if ":" not in path:
         raise AuditError(f"error: target {spec!r} is neither a built-in target ({', '.join(sorted(builtins))}) "
