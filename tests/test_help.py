@@ -127,6 +127,8 @@ COMMANDS = {
     "scripts/bench.py": lambda: _script_main("bench"),
     "scripts/device_carry.py": lambda: _script_main("device_carry"),
     "scripts/profile_step.py": lambda: _script_main("profile_step"),
+    "scripts.peer_checks.deepspeed_zero_step": lambda: _script_main("peer_checks/deepspeed_zero_step"),
+    "scripts.peer_checks.verl_actor_step": lambda: _script_main("peer_checks/verl_actor_step"),
 }
 
 
@@ -203,6 +205,8 @@ BAD_FLAGS = [
     ("scripts/bench.py", ["--steps", "0"], "--steps=0 must be >= 1"),
     ("scripts/profile_step.py", ["--bogus"], "unrecognized arguments: --bogus"),
     ("scripts/device_carry.py", ["--bogus"], "unrecognized arguments: --bogus"),
+    ("scripts.peer_checks.deepspeed_zero_step", ["--stage", "3"], "--stage: invalid choice: 3"),
+    ("scripts.peer_checks.verl_actor_step", ["--wrap", "fsdp"], "--wrap: invalid choice: 'fsdp'"),
 ]
 
 

@@ -8,12 +8,11 @@ Checks, against a float64 single-process gradient of the mean loss over the whol
   B. deepspeed.utils.safe_get_full_grad(param) called after the boundary engine.backward(),
      before engine.step().
 
-Usage (in an environment with torch 2.13.0 and DS_BUILD_OPS=0 pip install deepspeed==0.19.8):
+Usage (in an environment with gradscale, torch 2.13.0 and DS_BUILD_OPS=0 pip install deepspeed==0.19.8):
   DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 \
       scripts/peer_checks/deepspeed_zero_step.py --stage {0,1,2} [--no-allow-untested]
 """
 
-import argparse
 
 import torch
 import torch.distributed as dist
@@ -43,12 +42,17 @@ class RecordingSGD(torch.optim.SGD):
                          for g in self.param_groups]
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--stage", type=int, default=0)
-    ap.add_argument("--no-allow-untested", action="store_true")
-    ap.add_argument("--local_rank", type=int, default=0)
-    a = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    from gradscale.checks import CommandParser
+
+    ap = CommandParser(prog="python -m torch.distributed.run --nproc_per_node 2 "
+                            "scripts/peer_checks/deepspeed_zero_step.py",
+                       description="DeepSpeed ZeRO's step on CPU gloo ranks against a float64 reference")
+    ap.add_argument("--stage", type=int, default=0, choices=[0, 1, 2], help="the ZeRO stage (default 0)")
+    ap.add_argument("--no-allow-untested", action="store_true",
+                    help="leave out zero_allow_untested_optimizer (shows DeepSpeed's refusal of torch's SGD)")
+    ap.add_argument("--local_rank", type=int, default=0, help="set by DeepSpeed's own launcher; unused")
+    a = ap.parse_args(argv)
 
     import deepspeed
     from deepspeed.utils import safe_get_full_grad

@@ -19,11 +19,10 @@ the optimizer is compared with a float64 single-process reference of the global-
 
 One shim is needed on CPU: transformer_impl.get_device_id is patched to return 'cpu' (see run()).
 
-Usage (in an environment with torch 2.13.0 and pip install verl==0.9.1):
+Usage (in an environment with gradscale, torch 2.13.0 and pip install verl==0.9.1):
   OMP_NUM_THREADS=1 python scripts/peer_checks/verl_actor_step.py [--wrap ddp|fsdp2] [--no-shim]
 """
 
-import argparse
 import os
 import socket
 import sys
@@ -222,11 +221,14 @@ def run(rank, port, wrap, shim, out_q):
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--wrap", default="ddp", choices=["ddp", "fsdp2"])
+def main(argv: list[str] | None = None) -> None:
+    from gradscale.checks import CommandParser
+
+    ap = CommandParser(prog="python scripts/peer_checks/verl_actor_step.py",
+                       description="verl 0.9.1's actor step on 2 CPU gloo ranks against a float64 reference")
+    ap.add_argument("--wrap", default="ddp", choices=["ddp", "fsdp2"], help="the data-parallel wrapper (default ddp)")
     ap.add_argument("--no-shim", action="store_true", help="do not patch get_device_id (shows the CUDA error)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_default_dtype(torch.float64)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
