@@ -21,10 +21,15 @@ SLOW = 2.0  # bf16_matmul=auto takes fp32 kernels where bf16 ones are slower tha
 class Fp32Matmuls(TorchDispatchMode):
     """Every matmul whose tensors are all bf16 (autocast's forward and the backward's), by an fp32 kernel."""
 
+    @staticmethod
+    def takes(func, args) -> bool:
+        """A matmul whose tensors are all bf16: the products this mode runs by an fp32 kernel."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        return func in MATMULS and bool(tensors) and all(t.dtype == torch.bfloat16 for t in tensors)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if func in MATMULS and tensors and all(t.dtype == torch.bfloat16 for t in tensors):
+        if self.takes(func, args):
             wide = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
             return func(*wide, **kwargs).to(torch.bfloat16)
         return func(*args, **kwargs)
