@@ -149,7 +149,7 @@ def test_a_dead_rank_ends_the_job_quickly_and_nothing_claims_completion(tmp_path
     run_dir = tmp_path / "run"
     started = time.monotonic()
     proc = torchrun([str(ROOT / "tests" / "helpers" / "failing_rank.py"), *TINY, "steps=50", "world_size=2",
-                     "dist.timeout_s=20", f"hydra.run.dir={run_dir}"], cache_dir, timeout=300)
+                     "dist.timeout_s=10", f"hydra.run.dir={run_dir}"], cache_dir, timeout=300)
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert elapsed < 90, f"took {elapsed:.0f} s"
