@@ -65,7 +65,7 @@ sweep: install
 
 test: install carry rehearsal peers wheelenv
 	$(VENV)/bin/ruff check .
-	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 GRADSCALE_REQUIRE_WHEELENV=1 $(PY) -m pytest -m "not frameworks"
+	WANDB_MODE=disabled GRADSCALE_REQUIRE_REHEARSAL=1 GRADSCALE_REQUIRE_WHEELENV=1 $(PY) -m pytest -n 2 --dist loadfile -m "not frameworks"
 
 # The audits of the peer frameworks' own steps (HF Trainer, Accelerate, Lightning, TRL, torchtune): the heaviest, apart so that
 # make test stays within its time; CI runs both.

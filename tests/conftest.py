@@ -29,6 +29,14 @@ OFFLINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
 }
 os.environ.update(OFFLINE_ENV)
+# make test runs the suite on two pytest-xdist workers: each keeps to one thread, and so does every process it
+# starts (a test that needs more sets its own), since two processes spinning two OpenMP threads each on two
+# cores run several times slower than one thread each
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # small enough for a run to take well under a second after start-up
 TINY = [
@@ -92,10 +100,16 @@ def cli(cache_dir):
     return _run
 
 
+# the modules whose fixtures take minutes, dealt to the two workers first so that neither is left alone at the end
+LONGEST_MODULES = ("test_studies.py", "test_audit.py", "test_device_check.py", "test_cli.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run only where CUDA is."""
+    """The longest modules first (the order is otherwise the files'); tests marked `gpu` run only where CUDA is."""
     import torch
 
+    items.sort(key=lambda item: LONGEST_MODULES.index(item.path.name) if item.path.name in LONGEST_MODULES
+               else len(LONGEST_MODULES))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
