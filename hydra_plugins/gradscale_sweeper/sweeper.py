@@ -48,7 +48,7 @@ class GradscaleSweeper(BasicSweeper):
 
     def setup(self, *, hydra_context, task_function, config) -> None:
         """The basic launcher (one job after another, in this process) gets each job's config as _checked_jobs
-        composed it rather than composing it again (Hydra's composition is most of a tiny job's time)."""
+        composed it rather than composing it again (composing is a large share of a smoke job's time)."""
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
         from hydra.types import HydraContext
 
