@@ -193,3 +193,32 @@ def test_a_refused_run_ends_its_log_with_the_reason(tmp_path, monkeypatch, caplo
     last = caplog.records[-1].getMessage()
     assert last.startswith(f"failed: CheckpointError: error: {tmp_path / 'checkpoint.pt'}: refused"), last
     assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+def test_a_torchrun_rank_waits_for_the_job_folder_rank_0_is_writing(tmp_path, monkeypatch):
+    """Hydra makes a job's folder before its .hydra/, and a folder without .hydra/overrides.yaml reads as another
+    sweep's: a rank other than 0, checking the folder while rank 0 starts the first job, tries again until
+    rank 0 has written it; rank 0 refuses at once."""
+    import threading
+
+    from gradscale.checks import ConfigError
+    from hydra_plugins.gradscale_sweeper.sweeper import settled
+
+    overrides = tmp_path / "0_scale=1" / ".hydra" / "overrides.yaml"
+
+    def check():
+        if not overrides.exists():
+            raise ConfigError("error: holds runs of another sweep (0_scale=1)")
+        return {("scale=1",): overrides.parent.parent}
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError):
+        settled(check)
+    monkeypatch.setenv("RANK", "1")
+    writer = threading.Timer(1.0, lambda: (overrides.parent.mkdir(parents=True), overrides.write_text("- scale=1\n")))
+    writer.start()
+    assert settled(check) == {("scale=1",): tmp_path / "0_scale=1"}
+    writer.join()
+    overrides.unlink()
+    with pytest.raises(ConfigError):  # a folder that never settles is refused after the wait
+        settled(check, wait_s=1.0)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,7 @@ class GradscaleSweeper(BasicSweeper):
             configs[tuple(job)] = job_cfg
 
         check_writable("hydra.sweep.dir", sweep_dir)
-        self.folders = check_same_sweep(sweep_dir, configs)
+        self.folders = settled(lambda: check_same_sweep(sweep_dir, configs))
         if new:
             self.composed.update({tuple(o): configs[tuple(job)] for job, o in zip(jobs, composing)})
         return jobs
@@ -169,6 +170,22 @@ class GradscaleSweeper(BasicSweeper):
                   file=sys.stderr, flush=True)
             sys.exit(1)
         return returns
+
+
+def settled(check, wait_s: float = 30.0):
+    """check(), which reads the sweep folder. On a torchrun rank other than 0 a refusal is tried again for up to
+    wait_s: rank 0 may have started a job by then, and a job folder whose .hydra/ Hydra has not written yet reads as
+    another sweep's. Rank 0 refuses at once (torchrun then stops every rank)."""
+    from gradscale.checks import ConfigError
+
+    deadline = time.monotonic() + (wait_s if os.environ.get("RANK", "0") != "0" else 0.0)
+    while True:
+        try:
+            return check()
+        except ConfigError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 class ComposedOnce:
