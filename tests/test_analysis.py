@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import matplotlib.figure
 import numpy as np
@@ -265,8 +266,13 @@ def test_eps_collapse_and_clipping_figures():
     lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
     assert len(lines) == 3
     assert np.allclose(lines["adamw-0.001-1"].get_ydata(), [1 / (1 + 0.1 * step) for step in range(5)])  # c = 1
-    legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert any(text.endswith("clipped at 100% of steps") for text in legend)
+    legend = [" ".join(t.get_text().split()) for t in fig.legends[0].get_texts()]  # the legend wraps long labels
+    steps = int(clipped.steps_done.iloc[0])
+    assert any(text.endswith(f"clipped at {steps} of {steps} steps (100%)") for text in legend), legend
+    # one clipped step in 600 is not "0%": the summary's count, every step, not only the logged ones
+    assert plots.clipped_share(SimpleNamespace(clipped_steps=1, steps_done=600)) == "1 of 600 steps (0.2%)"
+    assert plots.clipped_share(SimpleNamespace(clipped_steps=599, steps_done=600)) == "599 of 600 steps (99.8%)"
+    assert plots.clipped_share(SimpleNamespace(clipped_steps=0, steps_done=600)) == "0 of 600 steps (0%)"
 
 
 def test_torn_last_line_is_tolerated(tmp_path):

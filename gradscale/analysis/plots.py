@@ -563,6 +563,16 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
     return fig
 
 
+def clipped_share(run) -> str:
+    """'n of N steps (p%)' from the run's summary (every step, not only the logged ones); a share that is neither 0
+    nor 1 never reads as 0% or 100%."""
+    if not run.steps_done:
+        return "no steps"
+    share = run.clipped_steps / run.steps_done
+    percent = f"{share:.0%}" if share in (0, 1) or 0.01 <= share <= 0.99 else f"{share:.1%}"
+    return f"{run.clipped_steps:.0f} of {run.steps_done:.0f} steps ({percent})"
+
+
 def clip_coefficient(runs: pd.DataFrame, curves: pd.DataFrame):
     """What clipping multiplied each logged step's gradient by (train/clip_coef, 1: not clipped), a panel per
     clipped setup, a line per run; the legend gives each run's share of clipped steps over all its steps."""
@@ -570,8 +580,7 @@ def clip_coefficient(runs: pd.DataFrame, curves: pd.DataFrame):
     plot = CurveFigure(clipped.setup, "Clip coefficient min(1, max_norm / (||g|| + 1e-6)) at each logged step",
                        RunLooks(runs), log_y=True)
     for r in clipped.itertuples():
-        share = f"{r.clipped_steps / r.steps_done:.0%}" if r.steps_done else "-"
-        label = _run_label(r, clipped, with_setup=True) + f": clipped at {share} of steps"
+        label = _run_label(r, clipped, with_setup=True) + f": clipped at {clipped_share(r)}"
         plot.draw(r.setup, curve(curves, r.run, CLIP_COEF), label, r.run)
     fig = plot.finish("step", "clip coefficient")
     for ax in plot.axes.values():
