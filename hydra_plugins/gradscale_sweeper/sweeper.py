@@ -107,7 +107,7 @@ class GradscaleSweeper(BasicSweeper):
         except ConfigError as e:  # one line and exit 2, as for a single run (Hydra would add a hint line)
             print(e, file=sys.stderr, flush=True)
             sys.exit(2)
-        log.info("sweep of %d jobs -> %s", len(jobs), self.config.hydra.sweep.dir)
+        log.info("sweep of %d jobs -> %s", len(jobs), self.sweep_dir)
         return self._launch(arguments)
 
     def _checked_jobs(self, arguments: list[str]) -> list[list[str]]:
@@ -123,7 +123,7 @@ class GradscaleSweeper(BasicSweeper):
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         jobs = self.jobs(overrides)
-        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir = self.sweep_dir
         # a new sweep's jobs are composed as the launcher will ask for them, so that it need not compose them again;
         # a re-run's folder names wait for check_same_sweep, which needs the configs first
         new = not sweep_dir.is_dir() or not job_dirs(sweep_dir)
@@ -151,7 +151,7 @@ class GradscaleSweeper(BasicSweeper):
     def _launch(self, arguments: list[str]) -> Any:
         from gradscale.sweep import format_sweep_table, sweep_runs
 
-        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir = self.sweep_dir
         try:
             returns = super().sweep(arguments)
         except Exception:  # a failed job: the basic launcher ran every job of the batch first
