@@ -9,29 +9,41 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from gradscale import theory
-from tests.conftest import run_in_process, train_records
+from gradscale.analysis.advise import advise, load_histograms
+from tests.conftest import TINY, compose, read_metrics, run_in_process, train_records
 
 N = 8  # the bug at world_size 8: c = 1/8
 EPS = 1e-8
 MAX_NORM = 0.5  # the tiny model's grad norms are about 0.6-1.2: the fixed run clips at every step, the bug at none
 ALWAYS = 0.01  # below ||g|| / N at every step: both runs clip at every step
-RUNS = {
-    "fixed": [f"clip_grad_norm={MAX_NORM}"],
+RUNS = {  # the fixed runs record sqrt(v_hat) histograms at every step: the advisor's input
+    "fixed": [f"clip_grad_norm={MAX_NORM}", "adam_stats_every=1"],
     "bug": ["fix=false", f"clip_grad_norm={MAX_NORM}"],
     "repair": ["fix=false", f"clip_grad_norm={MAX_NORM / N}", f"optimizer.eps={EPS / N}"],
     "eps_only": ["fix=false", f"clip_grad_norm={MAX_NORM}", f"optimizer.eps={EPS / N}"],
-    "fixed_always": [f"clip_grad_norm={ALWAYS}"],
+    "fixed_always": [f"clip_grad_norm={ALWAYS}", "adam_stats_every=1"],
     "bug_always": ["fix=false", f"clip_grad_norm={ALWAYS}"],
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, cache_dir):
+def folders(tmp_path_factory, cache_dir):
+    """name -> the run's folder, with its metrics and its composed config in .hydra/ (as a run writes it)."""
     root = tmp_path_factory.mktemp("clipping")
     common = ["optimizer=adamw", f"optimizer.eps={EPS}", "steps=40", "log_every=1", "eval_every=40"]
-    return {name: train_records(run_in_process(root / name, [*common, *extra])[1]) for name, extra in RUNS.items()}
+    for name, extra in RUNS.items():
+        run_in_process(root / name, [*common, *extra])
+        (root / name / ".hydra").mkdir()
+        OmegaConf.save(compose([*TINY, *common, *extra]), root / name / ".hydra" / "config.yaml")
+    return {name: root / name for name in RUNS}
+
+
+@pytest.fixture(scope="module")
+def runs(folders):
+    return {name: train_records(read_metrics(folder)) for name, folder in folders.items()}
 
 
 def column(records, key):
@@ -88,3 +100,29 @@ def test_case_b_update_follows_the_norm_weighting(runs):
     assert measured.min() < 0.95  # the effect is there to be predicted: not a flat 1
     assert theory.clipped_update_ratio(norms, 1 / N, ALWAYS) == pytest.approx(1.0)  # case (a)
     assert theory.clipped_update_ratio(norms, 1 / N, None) == pytest.approx(1.0)  # no clipping: invariant
+
+
+def test_a_few_clipped_steps_name_the_case_they_nearly_are():
+    """20 fixed-run norms of 2-8.9 at max_norm 1, as SmolLM2's first steps: at N = 8 the bug run clips only
+    the step at 8.9 (1 of 20), case (b) as over the whole fine-tune; three such steps are a mix."""
+    norms = np.r_[8.9, np.linspace(2.0, 7.0, 19)]
+    assert theory.clipped_share(1 / 8, norms, 1.0) == 0.05 and theory.clipped_share(1.0, norms, 1.0) == 1.0
+    assert theory.clipping_case(norms, 1 / 8, 1.0) == "b"
+    assert theory.clipping_case(np.r_[8.9, 8.5, 8.2, norms[3:]], 1 / 8, 1.0) == "mixed"
+    assert theory.clipping_case(norms, 1 / 8, 0.1) == "a" and theory.clipping_case(norms / 100, 1 / 8, 1.0) == "c"
+    assert theory.clipping_case(norms, 1 / 8, 0.26) == "a"  # 19 of 20 bug steps clip: the one at 2.0 does not
+
+
+def test_the_advisor_meets_eps_at_the_multiplier_clipping_hands_adam(folders, runs):
+    """Where the loop clips, eps meets the handed gradient, min(c ||g||, M), not c g: in case (a) both runs are
+    handed M g / ||g||, and the advisor predicts the update ratio 1 that the runs measure, where eps at c = 1/N
+    would predict a cut (the negative control); in case (b) it follows the measured ratio step by step."""
+    for fixed, bug, case in (("fixed_always", "bug_always", "a"), ("fixed", "bug", "b")):
+        advice = advise(folders[fixed], [1 / N])
+        predicted = np.array([s["predictions"][0]["update_rms_ratio"] for s in advice["steps"]])
+        measured = column(runs[bug], "train/update_rms") / column(runs[fixed], "train/update_rms")
+        assert advice["clipping"]["predictions"][0]["case"] == case and len(predicted) == len(measured) == 40
+        assert np.abs(predicted - measured).max() < 0.02, (case, predicted, measured)
+    eps, histograms = load_histograms(folders["fixed_always"])
+    at_c = [theory.update_rms_ratio(h["all"], 1 / N, eps, eps) for h in histograms.values()]
+    assert max(at_c) < 0.99  # c = 1/N at eps, clipping left out, says the bug cuts the update

@@ -17,6 +17,7 @@ are reweighted by it (s is eps-independent at c = 1 to first order).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import sys
@@ -40,6 +41,7 @@ from gradscale.theory import (
     clipped_update_ratio,
     clipping_case,
     eps_dominated_share,
+    handed_multiplier,
     histogram_of,
     tensor_group,
     update_rms_ratio,
@@ -95,8 +97,8 @@ def _optimizer_name(run_dir: Path) -> str | None:
 def clipping(run_dir: Path, scales: list[float]) -> dict | None:
     """Where the run clips (clip_grad_norm = M): for each multiplier c, physics 13's case from the run's grad norms
     at c = 1 (every logged step; step 0 alone from --gradient-only), the share of steps clipped in the fixed run
-    and at c, and Adam's update at c over the fixed run's at the last step (theory.clipped_update_ratio). None
-    when the run does not clip."""
+    and at c, and Adam's norm weighting at c over the fixed run's at the last step (theory.clipped_update_ratio).
+    None when the run does not clip."""
     max_norm = _config_value(run_dir, "clip_grad_norm")
     if max_norm is None:
         return None
@@ -106,19 +108,32 @@ def clipping(run_dir: Path, scales: list[float]) -> dict | None:
                           "metrics.jsonl; gradscale-advise records one")
     steps, norms = [int(r["step"]) for r in records], np.array([r[GRAD_NORM] for r in records])
     early, late = norms[: max(1, len(norms) // 4)], norms[-max(1, len(norms) // 4):]
-    return {"max_norm": float(max_norm), "steps": steps, "grad_norms": norms.tolist(),
-            "early_median": float(np.median(early)), "late_median": float(np.median(late)),
-            "predictions": [{"c": c, "case": clipping_case(norms, c, max_norm),
-                             "clipped_share_fixed": clipped_share(1.0, norms, max_norm),
-                             "clipped_share": clipped_share(c, norms, max_norm),
-                             "update_ratio_at_last_step": float(clipped_update_ratio(norms, c, max_norm)[-1])}
-                            for c in scales]}
+    clip = {"max_norm": float(max_norm), "steps": steps, "grad_norms": norms.tolist(),
+            "steps_per_norm": int(np.median(np.diff(steps))) if len(steps) > 1 else 1,  # a norm logged every k-th
+            "early_median": float(np.median(early)), "late_median": float(np.median(late))}
+    clip["predictions"] = [{"c": c, "case": clipping_case(norms, c, max_norm),
+                            "clipped_share_fixed": clipped_share(1.0, norms, max_norm),
+                            "clipped_share": clipped_share(c, norms, max_norm),
+                            "update_ratio_at_last_step": multipliers(clip, c, steps[-1])[1]} for c in scales]
+    return clip
+
+
+def multipliers(clip: dict | None, c: float, step: int) -> tuple[float, float]:
+    """(the multiplier Adam's sqrt(v_hat) carries, the norm weighting) at multiplier c and this step: (c, 1) where
+    the run does not clip; where it does, from the grad norms logged up to the step (physics 13): Adam's update
+    ratio is the weighting times update_rms_ratio at that multiplier."""
+    if clip is None:
+        return c, 1.0
+    norms = clip["grad_norms"][: max(1, bisect.bisect_right(clip["steps"], step))]
+    shape = {"max_norm": clip["max_norm"], "steps_per_norm": clip["steps_per_norm"]}
+    return (float(handed_multiplier(norms, c, **shape)[-1]), float(clipped_update_ratio(norms, c, **shape)[-1]))
 
 
 CASE_MEANS = {
-    "a": "both runs clip at every step: the bug vanishes (to float rounding in fp32, into the seed band in bf16)",
-    "b": "the fixed run clips at every step, the bug's at none: Adam weights the steps differently",
-    "c": "neither run clips: the unclipped answer above holds",
+    "a": "both runs clip at (nearly) every step: the bug vanishes (to float rounding in fp32, into the seed band in "
+         "bf16)",
+    "b": "the fixed run clips at (nearly) every step, the bug's at (almost) none: Adam weights the steps differently",
+    "c": "neither run clips (or almost never): the unclipped answer above holds",
     "mixed": "the runs clip on different steps: Adam weights those steps differently",
 }
 
@@ -149,14 +164,16 @@ def format_clipping(clip: dict, labels: list[str], eps: float) -> str:
             todo = (f"the fix, or both eps = {eps * c:g} and max_norm = {max_norm * c:g} "
                     "(eps alone repairs nothing here)")
         update = ("" if p["case"] in ("a", "c") or len(norms) == 1 else
-                  f"; Adam's update {p['update_ratio_at_last_step']:.3f} of the fixed run's at the last step")
+                  f"; the norm weighting alone makes Adam's update {p['update_ratio_at_last_step']:.3f} of the "
+                  "fixed run's at the last step")
         lines.append(f"{label}: case ({p['case']}): {CASE_MEANS[p['case']]} ({shares}{update}). Do: {todo}")
     return "\n".join(lines)
 
 
 def advise(run_dir: Path, scales: list[float], eps: float | None = None) -> dict:
     """The JSON contract: {"eps", "steps": [{"step", "predictions": [{"c", "update_rms_ratio",
-    "eps_dominated_share", "groups": {group: {...}}, "largest_eps_within_1pct"}]}], "clipping": None or
+    "eps_dominated_share", "groups": {group: {...}}, "largest_eps_within_1pct", "handed_multiplier",
+    "norm_weighting"}]}], "clipping": None or
     {"max_norm", "grad_norms", "predictions": [{"c", "case", "clipped_share_fixed", "clipped_share", ...}]}}."""
     run_eps, steps = load_histograms(run_dir)
     eps = run_eps if eps is None else eps
@@ -164,13 +181,15 @@ def advise(run_dir: Path, scales: list[float], eps: float | None = None) -> dict
     for step, groups in steps.items():
         predictions = []
         for c in scales:
+            seen, weighting = multipliers(out["clipping"], c, step)
             whole = groups["all"]
             predictions.append({
-                "c": c, "update_rms_ratio": update_rms_ratio(whole, c, eps, run_eps),
-                "eps_dominated_share": eps_dominated_share(whole, c, eps),
-                "largest_eps_within_1pct": largest_safe_eps(whole, c, run_eps),
-                "groups": {g: {"update_rms_ratio": update_rms_ratio(groups[g], c, eps, run_eps),
-                               "eps_dominated_share": eps_dominated_share(groups[g], c, eps),
+                "c": c, "update_rms_ratio": weighting * update_rms_ratio(whole, seen, eps, run_eps),
+                "eps_dominated_share": eps_dominated_share(whole, seen, eps),
+                "largest_eps_within_1pct": largest_safe_eps(whole, seen, run_eps),
+                "handed_multiplier": seen, "norm_weighting": weighting,
+                "groups": {g: {"update_rms_ratio": weighting * update_rms_ratio(groups[g], seen, eps, run_eps),
+                               "eps_dominated_share": eps_dominated_share(groups[g], seen, eps),
                                "coordinates": int(groups[g].counts.sum())}
                            for g in GROUPS if g in groups},
             })
@@ -191,11 +210,12 @@ def predicted_onset(h: Histogram, eps: float) -> float:
 
 def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
     """Step by step, for every AdamW run at c_eff != 1 whose reference (same setup at c = 1) has histograms:
-    the update-RMS ratio predicted from the reference's histogram of that step, and the measured ratio of the
-    two runs' train/update_rms. Columns: run, setup, c_eff, step, predicted, measured, error (relative)."""
+    the update-RMS ratio predicted from the reference's histogram of that step (and from its grad norms where it
+    clips: multipliers), and the measured ratio of the two runs' train/update_rms. Columns: run, setup, c_eff,
+    step, predicted, measured, error (relative)."""
     references = pair_references(runs)
     paths = dict(zip(runs.run, runs.path))
-    histograms: dict[str, tuple[float, dict] | None] = {}
+    histograms: dict[str, tuple[float, dict, dict | None] | None] = {}
     rows = []
     for i, r in zip(runs.index, runs.itertuples()):
         ref = references[i]
@@ -203,16 +223,18 @@ def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFram
             continue
         if ref not in histograms:
             try:
-                histograms[ref] = load_histograms(Path(paths[ref]))
+                histograms[ref] = (*load_histograms(Path(paths[ref])), clipping(Path(paths[ref]), []))
             except AdviseError:
                 histograms[ref] = None
         if histograms[ref] is None:
             continue
-        eps, steps = histograms[ref]
+        eps, steps, clip = histograms[ref]
         mine, theirs = curve(curves, r.run, UPDATE_RMS), curve(curves, ref, UPDATE_RMS)
         for step, groups in steps.items():
             if step in mine.index and step in theirs.index and theirs[step] > 0:
-                predicted, measured = update_rms_ratio(groups["all"], r.c_eff, eps, eps), mine[step] / theirs[step]
+                seen, weighting = multipliers(clip, r.c_eff, step)
+                predicted = weighting * update_rms_ratio(groups["all"], seen, eps, eps)
+                measured = mine[step] / theirs[step]
                 rows.append({"run": r.run, "setup": r.setup, "c_eff": r.c_eff, "step": step, "predicted": predicted,
                              "measured": measured, "error": predicted / measured - 1})
     return pd.DataFrame(rows, columns=["run", "setup", "c_eff", "step", "predicted", "measured", "error"])
@@ -264,6 +286,11 @@ def format_advice(advice: dict, labels: list[str]) -> str:
     header = ("", "update ratio", "eps-dominated", "verdict", "eps within 1%", "goes first (group update ratio)")
     repairs = ", ".join(f"{label}: {short_number(advice['eps'] * p['c'], 3)}"
                         for label, p in zip(labels, last["predictions"], strict=True))
+    clipped = "" if advice.get("clipping") is None else (
+        f"\nclipped at max_norm {short_number(advice['clipping']['max_norm'])}: Adam is handed min(c ||g||, "
+        "max_norm), so eps meets the multiplier sqrt(v_hat) carries (" + ", ".join(
+            f"{label}: {short_number(p['handed_multiplier'], 2)}" for label, p in zip(labels, last["predictions"]))
+        + ") and the update ratio includes the norm weighting of the clipping lines below (docs/design.md physics 13)")
     step_zero = ("\nstep 0 (gradient-only) understates the cut: the rare rows' sqrt(v_hat) falls as steps go by "
                  "without their tokens; the 20-step mode gives the number" if last["step"] == 0 else "")
     return (f"{advice['run']}: AdamW, eps = {short_number(advice['eps'])}, predicted from the sqrt(v_hat) histograms "
@@ -272,7 +299,7 @@ def format_advice(advice: dict, labels: list[str]) -> str:
             f"eps within 1%: a tolerance, the largest eps that keeps the update within 1% of the fixed run's at step "
             f"{last['step']}; the exact repair without the fix is eps x c (eps / N for the world-size bug: {repairs}), "
             f"which gives the fixed run's update at every step (with max_norm x c where the loop clips)"
-            f"{step_zero}\n\n" + render_table(header, rows))
+            f"{clipped}{step_zero}\n\n" + render_table(header, rows))
 
 
 def plot_advice(advice: dict, labels_n: list[float], measured: list[tuple[float, float, str]] | None = None):
@@ -296,8 +323,10 @@ def plot_advice(advice: dict, labels_n: list[float], measured: list[tuple[float,
         ax.plot([n], [ratio], "r*", ms=11, zorder=5)
         ax.annotate(label, (n, ratio), textcoords="offset points", xytext=(6, -10), fontsize=7, color="r")
     ax.axhline(WITHIN, color="0.4", ls=":", lw=1, label="1% cut (verdict: within 1% above)")
+    clip = advice.get("clipping")
     ax.set(xscale="log", xlabel="world size N of the bug (c = 1/N)", ylabel="update RMS / update RMS at c = 1",
-           title=f"Predicted AdamW update cut, eps = {short_number(advice['eps'])}")
+           title=f"Predicted AdamW update cut, eps = {short_number(advice['eps'])}"
+                 + ("" if clip is None else f", clipped at max_norm {short_number(clip['max_norm'])}"))
     ticks = [n for n in labels_n if math.log2(n) % 2 == 1 or len(labels_n) < 8]
     ax.set_xticks(ticks, [f"{n:g}" for n in ticks])
     ax.minorticks_off()
