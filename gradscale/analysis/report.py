@@ -121,7 +121,10 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         "## eps-dominated share by tensor group", "",
         "Share of coordinates with c * sqrt(v_hat) < eps at the reference's last recorded step, for c = 1 and the "
         "world-size bug at N = 8, 64, 1024 (interpolated between each tensor's measured quantiles; 0.01 reads "
-        "'at most 1%', 0.99 'at least 99%').", "",
+        "'at most 1%', 0.99 'at least 99%')." + (
+            " Where the loop clips, the bug's multiplier on sqrt(v_hat) is not 1/N but that of the clipped gradient "
+            "Adam is handed (docs/design.md physics 13, 'Where eps comes in'; the advisor's table gives it)."
+            if runs["clip"].notna().any() else ""), "",
         _markdown(eps_shares) if len(eps_shares) else "No Adam-type reference run with statistics.", "",
         "## Advisor vs measured", "",
         "AdamW's update-RMS ratio to its c = 1 reference: predicted by the risk advisor (analysis.advise) from the "

@@ -201,7 +201,8 @@ def _short_c(c: float) -> str:
 
 def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
     """Per run: setup, lr, scale, fix, c_eff, status, final loss, max |Δ loss| and the grad-norm ratio at
-    step 0 against its reference, the share of steps clipped (where any run clips), the reference's name."""
+    step 0 against its reference, the share of steps clipped (where any run clips), its name (repeats at other
+    seeds share every other column) and its reference's."""
     references = pair_references(runs)
     deltas = max_divergence(runs, curves)
     rows = []
@@ -214,7 +215,8 @@ def summary_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
         clipped = r.clipped_steps / r.steps_done if r.clip is not None and r.steps_done else math.nan
         rows.append({"setup": r.setup, "lr": r.lr, "scale": r.scale, "fix": r.fix, "c_eff": r.c_eff,
                      "status": r.status, "final loss": r.final_loss, "max abs Δloss vs ref": deltas[r.run],
-                     "grad-norm ratio @ step 0": ratio, "clipped share": clipped, "reference": references[i]})
+                     "grad-norm ratio @ step 0": ratio, "clipped share": clipped, "run": r.run,
+                     "reference": references[i]})
     table = pd.DataFrame(rows)
     return table.drop(columns="clipped share") if table["clipped share"].isna().all() else table
 
