@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from gradscale import theory
-from gradscale.analysis.advise import advise, load_histograms
+from gradscale.analysis.advise import advise, load_histograms, multipliers
 from tests.conftest import TINY, compose, read_metrics, run_in_process, train_records
 
 N = 8  # the bug at world_size 8: c = 1/8
@@ -111,6 +111,25 @@ def test_a_few_clipped_steps_name_the_case_they_nearly_are():
     assert theory.clipping_case(np.r_[8.9, 8.5, 8.2, norms[3:]], 1 / 8, 1.0) == "mixed"
     assert theory.clipping_case(norms, 1 / 8, 0.1) == "a" and theory.clipping_case(norms / 100, 1 / 8, 1.0) == "c"
     assert theory.clipping_case(norms, 1 / 8, 0.26) == "a"  # 19 of 20 bug steps clip: the one at 2.0 does not
+    # few clipped steps, but large early ones: sqrt(v_hat) remembers them, and neither (a) nor (c) holds
+    few_large = np.r_[30.0, 30.0, np.full(18, 2.0)]  # the fixed run clips 2 of 20 at max_norm 5
+    assert theory.clipping_case(few_large, 1 / 8, 5.0) == "mixed"
+    assert theory.clipped_update_ratio(few_large, 1 / 8, 5.0)[-1] < 0.5
+    assert theory.clipping_case(np.r_[np.full(18, 18.0), 0.5, 0.5], 1 / 8, 0.26) == "mixed"  # 18 of 20 both clip
+
+
+def test_a_norm_logged_every_kth_step_stands_for_the_steps_since_the_last():
+    """A run logs its grad norm every 5th step and at its last: the advisor's multipliers from those norms equal
+    those of a run that logged every step with each logged norm held over the steps since the one before."""
+    steps, logged = [0, 5, 10, 12], [9.0, 6.0, 3.0, 2.0]
+    held = np.repeat(logged, [1, 5, 5, 2])  # steps 0, 1-5, 6-10, 11-12
+    clip = {"max_norm": 1.0, "steps": steps, "grad_norms": logged}
+    for step, upto in ((0, 1), (7, 6), (12, 13)):  # step 7: the norms logged up to step 5 (the last at or before it)
+        every_step = held[:upto]
+        expected = (theory.handed_multiplier(every_step, 1 / 8, 1.0)[-1],
+                    theory.clipped_update_ratio(every_step, 1 / 8, 1.0)[-1])
+        assert multipliers(clip, 1 / 8, step) == pytest.approx(expected)
+    assert multipliers(None, 1 / 8, 12) == (1 / 8, 1.0)
 
 
 def test_the_advisor_meets_eps_at_the_multiplier_clipping_hands_adam(folders, runs):
@@ -123,6 +142,9 @@ def test_the_advisor_meets_eps_at_the_multiplier_clipping_hands_adam(folders, ru
         measured = column(runs[bug], "train/update_rms") / column(runs[fixed], "train/update_rms")
         assert advice["clipping"]["predictions"][0]["case"] == case and len(predicted) == len(measured) == 40
         assert np.abs(predicted - measured).max() < 0.02, (case, predicted, measured)
+        seen = [s["predictions"][0]["handed_multiplier"] for s in advice["steps"]]
+        assert seen == pytest.approx([1.0] * 40) if case == "a" else 1 / N < min(seen) <= max(seen) < 1
     eps, histograms = load_histograms(folders["fixed_always"])
-    at_c = [theory.update_rms_ratio(h["all"], 1 / N, eps, eps) for h in histograms.values()]
-    assert max(at_c) < 0.99  # c = 1/N at eps, clipping left out, says the bug cuts the update
+    at_c = np.array([theory.update_rms_ratio(h["all"], 1 / N, eps, eps) for h in histograms.values()])
+    measured = column(runs["bug_always"], "train/update_rms") / column(runs["fixed_always"], "train/update_rms")
+    assert np.abs(at_c - measured).max() > 0.02  # c = 1/N at eps, clipping left out, fails the same tolerance

@@ -48,14 +48,20 @@ from gradscale.theory import (
 )
 
 GROUPS = ("embeddings / output", "attention", "MLP", "norms", "other")
-def largest_safe_eps(h: Histogram, c: float, run_eps: float) -> float:
-    """The largest eps at which the update at c stays within 1% of that at c = 1 (bisection in log eps)."""
+def largest_safe_eps(h: Histogram, c: float, run_eps: float, weighting: float = 1.0) -> float | None:
+    """The largest eps at which the update at c, times clipping's norm weighting, stays within 1% of that at
+    c = 1 (bisection in log eps); None where the weighting alone cuts it by more (no eps does)."""
+    def within(log_eps: float) -> bool:
+        return weighting * update_rms_ratio(h, c, 10**log_eps, run_eps) >= WITHIN
+
     low, high = -30.0, 0.0
-    if update_rms_ratio(h, c, 10**high, run_eps) >= WITHIN:
+    if within(high):
         return 10**high
+    if not within(low):
+        return None
     for _ in range(60):
         mid = (low + high) / 2
-        low, high = (mid, high) if update_rms_ratio(h, c, 10**mid, run_eps) >= WITHIN else (low, mid)
+        low, high = (mid, high) if within(mid) else (low, mid)
     return 10**low
 
 
@@ -109,9 +115,8 @@ def clipping(run_dir: Path, scales: list[float]) -> dict | None:
     steps, norms = [int(r["step"]) for r in records], np.array([r[GRAD_NORM] for r in records])
     early, late = norms[: max(1, len(norms) // 4)], norms[-max(1, len(norms) // 4):]
     clip = {"max_norm": float(max_norm), "steps": steps, "grad_norms": norms.tolist(),
-            "steps_per_norm": int(np.median(np.diff(steps))) if len(steps) > 1 else 1,  # a norm logged every k-th
             "early_median": float(np.median(early)), "late_median": float(np.median(late))}
-    clip["predictions"] = [{"c": c, "case": clipping_case(norms, c, max_norm),
+    clip["predictions"] = [{"c": c, "case": clipping_case(norms, c, max_norm, steps_per_norm=logged_gaps(steps)),
                             "clipped_share_fixed": clipped_share(1.0, norms, max_norm),
                             "clipped_share": clipped_share(c, norms, max_norm),
                             "update_ratio_at_last_step": multipliers(clip, c, steps[-1])[1]} for c in scales]
@@ -124,9 +129,16 @@ def multipliers(clip: dict | None, c: float, step: int) -> tuple[float, float]:
     ratio is the weighting times update_rms_ratio at that multiplier."""
     if clip is None:
         return c, 1.0
-    norms = clip["grad_norms"][: max(1, bisect.bisect_right(clip["steps"], step))]
-    shape = {"max_norm": clip["max_norm"], "steps_per_norm": clip["steps_per_norm"]}
-    return (float(handed_multiplier(norms, c, **shape)[-1]), float(clipped_update_ratio(norms, c, **shape)[-1]))
+    upto = max(1, bisect.bisect_right(clip["steps"], step))
+    norms, shape = clip["grad_norms"][:upto], {"steps_per_norm": logged_gaps(clip["steps"][:upto])}
+    return (float(handed_multiplier(norms, c, clip["max_norm"], **shape)[-1]),
+            float(clipped_update_ratio(norms, c, clip["max_norm"], **shape)[-1]))
+
+
+def logged_gaps(steps: list[int]) -> np.ndarray:
+    """How many optimizer steps each logged grad norm stands for (a run logs every log_every-th step, and its
+    last): the norm at a logged step is taken for the steps since the one logged before."""
+    return np.diff(np.asarray(steps), prepend=-1)
 
 
 CASE_MEANS = {
@@ -186,7 +198,7 @@ def advise(run_dir: Path, scales: list[float], eps: float | None = None) -> dict
             predictions.append({
                 "c": c, "update_rms_ratio": weighting * update_rms_ratio(whole, seen, eps, run_eps),
                 "eps_dominated_share": eps_dominated_share(whole, seen, eps),
-                "largest_eps_within_1pct": largest_safe_eps(whole, seen, run_eps),
+                "largest_eps_within_1pct": largest_safe_eps(whole, seen, run_eps, weighting),
                 "handed_multiplier": seen, "norm_weighting": weighting,
                 "groups": {g: {"update_rms_ratio": weighting * update_rms_ratio(groups[g], seen, eps, run_eps),
                                "eps_dominated_share": eps_dominated_share(groups[g], seen, eps),
@@ -281,7 +293,8 @@ def format_advice(advice: dict, labels: list[str]) -> str:
         first = sorted((g for g in p["groups"].items() if g[1]["update_rms_ratio"] < WITHIN),
                        key=lambda g: g[1]["update_rms_ratio"])
         rows.append((label, f"{p['update_rms_ratio']:.4f}", f"{p['eps_dominated_share']:.2%}",
-                     verdict(p["update_rms_ratio"]), short_number(p['largest_eps_within_1pct'], 2),
+                     verdict(p["update_rms_ratio"]), "none" if p["largest_eps_within_1pct"] is None
+                     else short_number(p["largest_eps_within_1pct"], 2),
                      ", ".join(f"{g} {v['update_rms_ratio']:.3f}" for g, v in first) or "-"))
     header = ("", "update ratio", "eps-dominated", "verdict", "eps within 1%", "goes first (group update ratio)")
     repairs = ", ".join(f"{label}: {short_number(advice['eps'] * p['c'], 3)}"
@@ -289,8 +302,10 @@ def format_advice(advice: dict, labels: list[str]) -> str:
     clipped = "" if advice.get("clipping") is None else (
         f"\nclipped at max_norm {short_number(advice['clipping']['max_norm'])}: Adam is handed min(c ||g||, "
         "max_norm), so eps meets the multiplier sqrt(v_hat) carries (" + ", ".join(
-            f"{label}: {short_number(p['handed_multiplier'], 2)}" for label, p in zip(labels, last["predictions"]))
-        + ") and the update ratio includes the norm weighting of the clipping lines below (docs/design.md physics 13)")
+            f"{label}: {short_number(p['handed_multiplier'], 2)}"
+            for label, p in zip(labels, last["predictions"], strict=True))
+        + ") and the update ratio includes the norm weighting of the clipping lines below (docs/design.md physics 13);"
+          " eps within 1% is 'none' where that weighting alone cuts the update by more than 1%")
     step_zero = ("\nstep 0 (gradient-only) understates the cut: the rare rows' sqrt(v_hat) falls as steps go by "
                  "without their tokens; the 20-step mode gives the number" if last["step"] == 0 else "")
     return (f"{advice['run']}: AdamW, eps = {short_number(advice['eps'])}, predicted from the sqrt(v_hat) histograms "
