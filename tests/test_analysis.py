@@ -270,9 +270,9 @@ def test_eps_collapse_and_clipping_figures():
     steps = int(clipped.steps_done.iloc[0])
     assert any(text.endswith(f"clipped at {steps} of {steps} steps (100%)") for text in legend), legend
     # one clipped step in 600 is not "0%": the summary's count, every step, not only the logged ones
-    assert plots.clipped_share(SimpleNamespace(clipped_steps=1, steps_done=600)) == "1 of 600 steps (0.2%)"
-    assert plots.clipped_share(SimpleNamespace(clipped_steps=599, steps_done=600)) == "599 of 600 steps (99.8%)"
-    assert plots.clipped_share(SimpleNamespace(clipped_steps=0, steps_done=600)) == "0 of 600 steps (0%)"
+    assert plots.clipped_steps_label(SimpleNamespace(clipped_steps=1, steps_done=600)) == "1 of 600 steps (0.2%)"
+    assert plots.clipped_steps_label(SimpleNamespace(clipped_steps=599, steps_done=600)) == "599 of 600 steps (99.8%)"
+    assert plots.clipped_steps_label(SimpleNamespace(clipped_steps=0, steps_done=600)) == "0 of 600 steps (0%)"
 
 
 def test_torn_last_line_is_tolerated(tmp_path):

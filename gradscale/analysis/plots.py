@@ -43,7 +43,7 @@ from gradscale.records import (
     output_update_rms_of,
 )
 from gradscale.runs import short_number
-from gradscale.theory import clipped_share as predicted_clipped_share
+from gradscale.theory import clipped_share
 
 # Figures are built with matplotlib.figure.Figure, not pyplot: no global state, nothing to close, and a
 # notebook shows each returned figure exactly once.
@@ -554,7 +554,7 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
         if reference is not None:
             norms = curve(curves, reference, GRAD_NORM).to_numpy()
             grid = np.logspace(np.log10(group.c_eff.min()), np.log10(group.c_eff.max()), 200)
-            predicted = [predicted_clipped_share(c, norms, float(group["clip"].iloc[0])) for c in grid]
+            predicted = [clipped_share(c, norms, float(group["clip"].iloc[0])) for c in grid]
             ax.plot(grid, predicted, color=style["color"], ls=style["ls"], lw=1)
             handles.append(Line2D([], [], color=style["color"], ls=style["ls"], label=f"{setup}: predicted"))
     ax.set(xscale="log", xlabel="c_eff", ylabel="share of steps clipped", ylim=(-0.03, 1.03))
@@ -563,7 +563,7 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
     return fig
 
 
-def clipped_share(run) -> str:
+def clipped_steps_label(run) -> str:
     """'n of N steps (p%)' from the run's summary (every step, not only the logged ones); a share that is neither 0
     nor 1 never reads as 0% or 100%."""
     if not run.steps_done:
@@ -580,7 +580,7 @@ def clip_coefficient(runs: pd.DataFrame, curves: pd.DataFrame):
     plot = CurveFigure(clipped.setup, "Clip coefficient min(1, max_norm / (||g|| + 1e-6)) at each logged step",
                        RunLooks(runs), log_y=True)
     for r in clipped.itertuples():
-        label = _run_label(r, clipped, with_setup=True) + f": clipped at {clipped_share(r)}"
+        label = _run_label(r, clipped, with_setup=True) + f": clipped at {clipped_steps_label(r)}"
         plot.draw(r.setup, curve(curves, r.run, CLIP_COEF), label, r.run)
     fig = plot.finish("step", "clip coefficient")
     for ax in plot.axes.values():
