@@ -33,6 +33,7 @@ def synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"), lrs=(1e-3,), ste
                              "finetune": "full", "lr": lr,
                              "eps": 1e-8 if optimizer == "adamw" else float("nan"), "weight_decay": 0.0, "scale": c,
                              "fix": True, "world_size": 8, "clip": None, "precision": "fp32",
+                             "bf16_matmul": "auto",
                              "normalization": "global_tokens", "seed": 0, "steps": steps, "status": "completed",
                              "final_loss": 5.0 + math.log2(c), "best_eval_loss": 5.0, "diverged_at_step": None,
                              "steps_done": steps, "clipped_steps": 0, "path": "", "c_eff": c, "setup": optimizer})
@@ -507,6 +508,14 @@ def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
                        ignore_index=True)
     band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
     assert band.loc["bf16", "difference / std"] == pytest.approx(-1.5) and "bf16-lr" not in band.index
+    # so is one whose bf16 products ran by fp32 kernels: a contrast, not a fourth seed of the band
+    kernels = {**fixed.to_dict(), "run": "fp32-kernels", "bf16_matmul": "fp32"}
+    runs = pd.concat([runs, pd.DataFrame([kernels])], ignore_index=True)
+    curves = pd.concat([curves, pd.DataFrame([("fp32-kernels", step, "eval/loss", 3.0 - 0.1 * step + 0.01)
+                                              for step in range(5)], columns=curves.columns)], ignore_index=True)
+    band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
+    assert band.loc["fp32-kernels", "difference / std"] == pytest.approx(0.5)
+    assert (band.seeds == 3).all() and seed_siblings(runs)["fp32-kernels"] == ["fp32-kernels"]
     # one seed only: no band, no rows
     assert seed_band_table(runs[~runs.run.isin(["seed1", "seed2"])], curves, ["eval/loss"]).empty
 

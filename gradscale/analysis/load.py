@@ -22,7 +22,7 @@ from gradscale.runs import job_dirs, job_overrides, short_number
 log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ("run", "optimizer", "finetune", "model", "lr", "eps", "weight_decay", "scale", "fix", "world_size",
-               "clip", "precision", "normalization", "seed", "steps", "status", "final_loss", "best_eval_loss",
+               "clip", "precision", "bf16_matmul", "normalization", "seed", "steps", "status", "final_loss", "best_eval_loss",
                "diverged_at_step", "steps_done", "clipped_steps", "path", "c_eff")
 
 
@@ -93,6 +93,9 @@ def _run_row(run_dir: Path, name: str) -> dict:
         "world_size": world_size,
         "clip": cfg.clip_grad_norm,
         "precision": cfg.precision,
+        # as configured, not as resolved (summary.json): "auto" picks kernels per CPU and a study's seed band may
+        # span CPUs; a run from before the setting counts as its default
+        "bf16_matmul": OmegaConf.select(cfg, "bf16_matmul", default="auto"),
         "normalization": normalization,
         "c_eff": float(multiplier) if multiplier is not None else c_eff(float(cfg.scale), normalization, world_size),
         "seed": int(cfg.seed),
@@ -177,7 +180,7 @@ def load(paths: list[str | Path] | str | Path) -> tuple[pd.DataFrame, pd.DataFra
 
 
 # Settings that make a run a different setup of its optimizer (a panel or a line of its own in the figures).
-SETUP_KEYS = ("model", "finetune", "eps", "clip", "precision")
+SETUP_KEYS = ("model", "finetune", "eps", "clip", "precision", "bf16_matmul")
 
 
 def setup_labels(runs: pd.DataFrame) -> pd.Series:

@@ -22,7 +22,7 @@ from gradscale.theory import breakdown_band, clipping_band, crossing, share_belo
 
 # Columns that make two runs "the same experiment" apart from the studied factor.
 PAIRING_KEYS = ("optimizer", "model", "finetune", "lr", "eps", "weight_decay", "world_size", "clip", "precision",
-                "normalization", "seed", "steps")
+                "bf16_matmul", "normalization", "seed", "steps")
 
 
 def is_reference(runs: pd.DataFrame) -> pd.Series:
@@ -267,12 +267,12 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
     return {run: group for group in groups.values() for run in group}
 
 
-CONTRAST_KEYS = ("precision",)  # run settings besides c_eff whose effect a study reads against the seed band
+CONTRAST_KEYS = ("precision", "bf16_matmul")  # run settings besides c_eff whose effect a study reads against the seed band
 
 
 def contrast_references(runs: pd.DataFrame) -> dict[str, tuple[str, str]]:
     """For a reference run (scale 1, fix on) with no seed repeats of its own: the reference with seed repeats
-    that is identical to it but in one of CONTRAST_KEYS (an fp32 control against the bf16 runs' band). What
+    that is identical to it but in one of CONTRAST_KEYS (an fp32 control, or bf16 products by fp32 kernels, against the bf16 runs' band). What
     that setting does is then read against what the data order alone does, as the bug's c_eff is.
     {run: (that reference, the key they differ in)}."""
     siblings, references = seed_siblings(runs), runs[is_reference(runs)]
