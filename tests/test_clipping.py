@@ -148,3 +148,18 @@ def test_the_advisor_meets_eps_at_the_multiplier_clipping_hands_adam(folders, ru
     at_c = np.array([theory.update_rms_ratio(h["all"], 1 / N, eps, eps) for h in histograms.values()])
     measured = column(runs["bug_always"], "train/update_rms") / column(runs["fixed_always"], "train/update_rms")
     assert np.abs(at_c - measured).max() > 0.02  # c = 1/N at eps, clipping left out, fails the same tolerance
+
+
+def test_the_report_reads_eps_dominated_shares_at_the_multiplier_sqrt_v_carries(folders):
+    """In case (a) the bug hands Adam the fixed run's gradient: at c = 1/N, sqrt(v_hat) carries 1 and eps
+    dominates no more coordinates than at c = 1. Read at c itself (the loop's clipping left out), it would."""
+    from gradscale.analysis.advise import carried_multiplier
+    from gradscale.analysis.load import load
+    from gradscale.analysis.tables import eps_share_table
+
+    runs, _ = load([folders["fixed_always"]])
+    shares = eps_share_table(runs, carried_multiplier)
+    assert (shares["c=1/8"] == shares["c=1"]).all()
+    assert shares["multiplier sqrt(v_hat) carries"].str.startswith("1/8: 1, ").all()
+    blind = eps_share_table(runs)
+    assert (blind["c=1/1024"] > shares["c=1/1024"]).any() and "multiplier sqrt(v_hat) carries" not in blind

@@ -135,6 +135,12 @@ def multipliers(clip: dict | None, c: float, step: int) -> tuple[float, float]:
             float(clipped_update_ratio(norms, c, clip["max_norm"], **shape)[-1]))
 
 
+def carried_multiplier(run_dir: str | Path, c: float, step: int) -> float:
+    """The multiplier the run's sqrt(v_hat) would carry at multiplier c by this step: c, or where the run clips,
+    that of the gradient clipping hands Adam (multipliers)."""
+    return multipliers(clipping(Path(run_dir), []), c, step)[0]
+
+
 def logged_gaps(steps: list[int]) -> np.ndarray:
     """How many optimizer steps each logged grad norm stands for (a run logs every log_every-th step, and its
     last): the norm at a logged step is taken for the steps since the one logged before."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from gradscale.analysis.advise import advisor_summary, advisor_vs_measured, predicted_onsets
+from gradscale.analysis.advise import advisor_summary, advisor_vs_measured, carried_multiplier, predicted_onsets
 from gradscale.analysis.load import load, logged_group
 from gradscale.analysis.tables import (
     eps_share_table,
@@ -104,7 +104,7 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         print(f"wrote {path}")
     summary = summary_table(runs, curves)
     theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
-    eps_shares = eps_share_table(runs)
+    eps_shares = eps_share_table(runs, carried_multiplier)
     band = seed_band_table(runs, curves, [EVAL_LOSS, *(eval_loss_of(b) for b in BUCKETS)])
     run_columns = ["run", "model", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]
@@ -122,8 +122,9 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         "Share of coordinates with c * sqrt(v_hat) < eps at the reference's last recorded step, for c = 1 and the "
         "world-size bug at N = 8, 64, 1024 (interpolated between each tensor's measured quantiles; 0.01 reads "
         "'at most 1%', 0.99 'at least 99%')." + (
-            " Where the loop clips, the bug's multiplier on sqrt(v_hat) is not 1/N but that of the clipped gradient "
-            "Adam is handed (docs/design.md physics 13, 'Where eps comes in'; the advisor's table gives it)."
+            " Where the loop clips, sqrt(v_hat) carries not 1/N but the multiplier of the clipped gradient Adam "
+            "is handed, from the reference's grad norms up to that step (docs/design.md physics 13, 'Where eps "
+            "comes in'), and c stands for it; the last column gives it per N."
             if runs["clip"].notna().any() else ""), "",
         _markdown(eps_shares) if len(eps_shares) else "No Adam-type reference run with statistics.", "",
         "## Advisor vs measured", "",

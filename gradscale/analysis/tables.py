@@ -8,6 +8,7 @@ recipe HF Trainer and torchtune use).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -174,10 +175,13 @@ def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
 GROUP_MULTIPLIERS = (1.0, 1 / 8, 1 / 64, 1 / 1024)  # c = 1, and the bug at world size 8, 64, 1024
 
 
-def eps_share_table(runs: pd.DataFrame) -> pd.DataFrame:
-    """Per Adam-type reference run and tensor group, the share of coordinates with c * s < eps at the run's
+def eps_share_table(runs: pd.DataFrame,
+                    carried: Callable[[str, float, int], float] | None = None) -> pd.DataFrame:
+    """Per Adam-type reference run and tensor group, the share of coordinates with m s < eps at the run's
     last recorded step, for c = 1 and the world-size bug at N = 8, 64, 1024 (interpolated from each
-    tensor's measured sqrt(v_hat) quantiles: theory.share_below; 1% and 99% are bounds)."""
+    tensor's measured sqrt(v_hat) quantiles: theory.share_below; 1% and 99% are bounds). m is the multiplier
+    sqrt(v_hat) carries at c: c itself, or where the run clips, carried(run path, c, step) (the handed
+    gradient's, physics 13: advise.carried_multiplier); the table then says m per N."""
     rows = []
     for r in runs[is_reference(runs) & ~runs.eps.isna()].drop_duplicates("setup").itertuples():
         stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
@@ -185,12 +189,18 @@ def eps_share_table(runs: pd.DataFrame) -> pd.DataFrame:
             continue
         last = stats[stats.step == stats.step.max()]
         last = last.assign(group=last.tensor.map(tensor_group))
+        step = int(last.step.iloc[0])
+        clipped = r.clip is not None and carried is not None
+        seen = {c: carried(r.path, c, step) if clipped else c for c in GROUP_MULTIPLIERS}
         for group, tensors in last.groupby("group"):
-            row = {"setup": r.setup, "model": r.model, "step": int(last.step.iloc[0]), "group": group,
+            row = {"setup": r.setup, "model": r.model, "step": step, "group": group,
                    "coordinates": int(tensors.numel.sum())}
             for c in GROUP_MULTIPLIERS:
-                shares = [share_below(t._asdict(), r.eps / c) for t in tensors.itertuples()]
+                shares = [share_below(t._asdict(), r.eps / seen[c]) for t in tensors.itertuples()]
                 row[f"c={_short_c(c)}"] = float(np.average(shares, weights=tensors.numel))
+            if clipped:
+                row["multiplier sqrt(v_hat) carries"] = ", ".join(
+                    f"{_short_c(c)}: {short_number(seen[c], 2)}" for c in GROUP_MULTIPLIERS[1:])
             rows.append(row)
     return pd.DataFrame(rows)
 
