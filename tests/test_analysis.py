@@ -222,6 +222,13 @@ def test_equivalent_references_follow_the_theory():
     assert ("sgd-0.001-8", "sgd-0.008-1") in pairs  # SGD(lr, 8) == SGD(8 lr, 1)
     assert ("adamw-0.001-8", "adamw-eps/8") in pairs  # AdamW(8, eps) == AdamW(1, eps/8)
     assert ("sgd-0.008-8", "sgd-0.001-1") not in pairs and not any(r == "adamw-clipped-8" for r, _ in pairs)
+    # clipped at M, the twin clips at M / c too; eps / c alone is no twin once the loop clips
+    runs.loc[len(runs)] = {**adamw_eps, "run": "adamw-eps/8-clip/8", "eps": 1e-8 / 8, "clip": 1.0 / 8}
+    runs.loc[len(runs)] = {**adamw_eps, "run": "adamw-eps/8-clip", "eps": 1e-8 / 8, "clip": 1.0}
+    rules = {(r.run, r.equivalent): r.rule for r in equivalent_references(runs).itertuples()}
+    assert rules[("adamw-clipped-8", "adamw-eps/8-clip/8")] == (
+        "AdamW(c=8, eps=1e-8, max_norm=1) == AdamW(c=1, eps=1.25e-9, max_norm=0.125), up to torch's 1e-6 in the clip")
+    assert ("adamw-clipped-8", "adamw-eps/8-clip") not in rules and ("adamw-0.001-8", "adamw-eps/8") in rules
     # without the fix SGD at lr 8e-3 sees c = 1/8: the same steps as SGD at lr 1e-3 with it
     sgd = runs[runs.run == "sgd-0.008-1"].iloc[0].to_dict()
     runs.loc[len(runs)] = {**sgd, "run": "sgd-0.008-nofix", "fix": False, "c_eff": 1 / 8,
@@ -516,6 +523,18 @@ def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
     band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
     assert band.loc["fp32-kernels", "difference / std"] == pytest.approx(0.5)
     assert (band.seeds == 3).all() and seed_siblings(runs)["fp32-kernels"] == ["fp32-kernels"]
+    # an attempted repair no theory calls equal (eps / N alone where the loop clips) is read against the fixed
+    # run it means to reproduce: the banded one at the same max_norm, not at another
+    clipped = runs.assign(clip=1.0)
+    eps_only = {**clipped.loc[clipped.run == "adamw-0.001-0.125"].iloc[0].to_dict(), "run": "eps-only", "eps": 1.25e-9}
+    elsewhere = clipped[clipped.run.isin(["adamw-0.001-1", "seed1", "seed2"])].assign(
+        clip=2.0, run=lambda d: d.run + "-clip2")
+    runs = pd.concat([clipped, pd.DataFrame([eps_only]), elsewhere], ignore_index=True)
+    curves = pd.concat([curves, pd.DataFrame([("eps-only", step, "eval/loss", 3.0 - 0.1 * step + 0.04)
+                                              for step in range(5)], columns=curves.columns)], ignore_index=True)
+    band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
+    assert band.loc["eps-only", "reference"] == "adamw-0.001-1"
+    assert band.loc["eps-only", "difference / std"] == pytest.approx(2.0)
     # one seed only: no band, no rows
     assert seed_band_table(runs[~runs.run.isin(["seed1", "seed2"])], curves, ["eval/loss"]).empty
 

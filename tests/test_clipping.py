@@ -163,3 +163,13 @@ def test_the_report_reads_eps_dominated_shares_at_the_multiplier_sqrt_v_carries(
     assert shares["multiplier sqrt(v_hat) carries"].str.startswith("1/8: 1, ").all()
     blind = eps_share_table(runs)
     assert (blind["c=1/1024"] > shares["c=1/1024"]).any() and "multiplier sqrt(v_hat) carries" not in blind
+
+
+def test_the_report_pairs_the_repair_with_the_fixed_run_and_not_eps_alone(folders):
+    from gradscale.analysis.load import load
+    from gradscale.analysis.tables import equivalent_references
+
+    runs, _ = load([folders[name] for name in ("fixed", "bug", "repair", "eps_only")])
+    names = dict(zip(runs.path, runs.run))
+    pairs = {(r.run, r.equivalent) for r in equivalent_references(runs).itertuples()}
+    assert pairs == {(names[str(folders["repair"])], names[str(folders["fixed"])])}

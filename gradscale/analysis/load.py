@@ -22,8 +22,8 @@ from gradscale.runs import job_dirs, job_overrides, short_number
 log = logging.getLogger(__name__)
 
 RUN_COLUMNS = ("run", "optimizer", "finetune", "model", "lr", "eps", "weight_decay", "scale", "fix", "world_size",
-               "clip", "precision", "bf16_matmul", "normalization", "seed", "steps", "status", "final_loss", "best_eval_loss",
-               "diverged_at_step", "steps_done", "clipped_steps", "path", "c_eff")
+               "clip", "precision", "bf16_matmul", "normalization", "seed", "steps", "status", "final_loss",
+               "best_eval_loss", "diverged_at_step", "steps_done", "clipped_steps", "path", "c_eff")
 
 
 def run_dirs(paths: list[str | Path]) -> list[Path]:

@@ -134,13 +134,15 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         _markdown(advisor_summary(advisor)) if len(advisor) else
         "No AdamW run beside a reference with sqrt(v_hat) histograms (adam_stats_every).", "",
         "## Against the seed band", "",
-        "Each run's held-out loss (overall and by token-frequency bucket) minus its reference's, at the last eval, "
+        "Each run's held-out loss (overall and by token-frequency bucket) minus its reference's (the fixed run it "
+        "pairs with, is called equal to, contrasts with or would be repaired to), at the last eval, "
         "in units of the sample standard deviation over the reference's repeats at other seeds (runs identical "
         "but for the data order): what changing nothing but the seed does. Also in seed_band.csv.", "",
         _markdown(band) if len(band) else "No reference repeated at two or more seeds.", "",
         "## Equivalences the theory calls exact", "",
-        "SGD(lr, c) == SGD(lr*c, 1), AdamW(c, eps) == AdamW(1, eps/c), and a run at c_eff = 1 by another scale "
-        "and fix == its reference (the bug is a pure rescale), for the pairs this sweep holds.", "",
+        "SGD(lr, c) == SGD(lr*c, 1), AdamW(c, eps) == AdamW(1, eps/c) (where the loop clips at M, the twin clips at "
+        "M/c), and a run at c_eff = 1 by another scale and fix == its reference (the bug is a pure rescale), for the "
+        "pairs this sweep holds.", "",
         _markdown(equivalences) if len(equivalences) else "No such pair in this sweep.", "",
         "## Figures", "", *[f"![{p.stem}]({p.name})" for p in written], "", *skipped, "",
         "## Runs", "", _markdown(runs[run_columns]), "",

@@ -85,10 +85,11 @@ def one_percent_thresholds(runs: pd.DataFrame) -> dict[tuple[str, float], float]
 def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
     """Pairs that the theory says train identically (docs/design.md physics 2-3), with c_eff != 1 on one side:
     each optimizer's twin rule (gradscale/optimizers/: SGD(lr, c) == SGD(lr*c, 1) without weight decay,
-    AdamW(c, eps) == AdamW(1, eps/c)); none with clipping. And physics 1, the bug is a pure rescale: a run at
-    c_eff = 1 by another scale and fix (fix off at scale N) == its scale 1, fix-on reference.
-    Columns: run, equivalent (the c_eff = 1 run), rule."""
-    keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps")]
+    AdamW(c, eps) == AdamW(1, eps/c)); where the run clips at M, its twin clips at M / c (c g clipped at M is c
+    times g clipped at M / c: physics 13), up to the 1e-6 that torch adds to the norm. And physics 1, the bug is
+    a pure rescale: a run at c_eff = 1 by another scale and fix (fix off at scale N) == its scale 1, fix-on
+    reference. Columns: run, equivalent (the c_eff = 1 run), rule."""
+    keys = [k for k in PAIRING_KEYS if k not in ("lr", "eps", "clip")]
     rows = []
     for reference, r in zip(pair_references(runs), runs.itertuples()):
         if np.isclose(r.c_eff, 1.0) and reference not in (None, r.run):
@@ -97,22 +98,24 @@ def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
                                  f"(world_size {r.world_size}) == scale=1, fix on: the same c_eff = 1"})
     runs = _recipe_up_to_c(runs)
     unit = runs[np.isclose(runs.c_eff, 1.0)]
-    for r in runs[~np.isclose(runs.c_eff, 1.0) & runs["clip"].isna()].itertuples():
+    for r in runs[~np.isclose(runs.c_eff, 1.0)].itertuples():
         optimizer = optimizer_entry(r.optimizer)
         rule = optimizer.scale_rule
         if not rule.twin or (rule.twin_needs_no_weight_decay and r.weight_decay != 0):
             continue
-        wanted = {"lr": r.lr, "eps": r.eps}  # the twin's keys are lr or the rule's eps (a registry test says so)
-        shown = []
+        clips = not pd.isna(r.clip)
+        wanted = {"lr": r.lr, "eps": r.eps, "clip": r.clip / r.c_eff if clips else None}
+        shown = []  # the twin's keys are lr or the rule's eps (a registry test says so)
         for key, power in rule.twin:
             column = "lr" if key == "lr" else "eps"
             wanted[column] = twin_value(getattr(r, column), r.c_eff, power)
             shown.append((key, getattr(r, column), wanted[column]))
-        match = np.logical_and.reduce([
-            unit[column].isna() if pd.isna(value) else np.isclose(unit[column], value, rtol=1e-6, atol=0)
-            for column, value in wanted.items()])
+        if clips:
+            shown.append(("max_norm", r.clip, wanted["clip"]))
+        match = np.logical_and.reduce([unit[column].map(lambda v, value=value: _same_number(v, value)).to_numpy(bool)
+                                       for column, value in wanted.items()])
         c = short_number(r.c_eff)
-        if [key for key, _ in rule.twin] == ["lr"]:
+        if [key for key, _, _ in shown] == ["lr"]:
             _, lr, twin_lr = shown[0]
             label = optimizer.label
             text = f"{label}(lr={short_number(lr)}, c={c}) == {label}(lr={short_number(twin_lr)}, c=1)"
@@ -120,11 +123,20 @@ def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
             mine = ", ".join(f"{key}={short_number(value)}" for key, value, _ in shown)
             theirs = ", ".join(f"{key}={short_number(value)}" for key, _, value in shown)
             text = f"{optimizer.label}(c={c}, {mine}) == {optimizer.label}(c=1, {theirs})"
+        if clips:
+            text += ", up to torch's 1e-6 in the clip"
         mine = {k: _key(getattr(r, k)) for k in keys}
         same = np.logical_and.reduce([[_key(v) == mine[k] for v in unit[k]] for k in keys])
         for equivalent in unit[match & same].run:
             rows.append({"run": r.run, "equivalent": equivalent, "rule": text})
     return pd.DataFrame(rows, columns=["run", "equivalent", "rule"])
+
+
+def _same_number(value, wanted) -> bool:
+    """Equal to 1e-6 relative, None and NaN (no eps, no clipping) equal to each other."""
+    if wanted is None or pd.isna(wanted):
+        return value is None or pd.isna(value)
+    return value is not None and not pd.isna(value) and math.isclose(value, wanted, rel_tol=1e-6)
 
 
 def equivalence_table(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
@@ -277,13 +289,15 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
     return {run: group for group in groups.values() for run in group}
 
 
-CONTRAST_KEYS = ("precision", "bf16_matmul")  # run settings besides c_eff whose effect a study reads against the seed band
+# run settings besides c_eff whose effect a study reads against the seed band
+CONTRAST_KEYS = ("precision", "bf16_matmul")
 
 
 def contrast_references(runs: pd.DataFrame) -> dict[str, tuple[str, str]]:
     """For a reference run (scale 1, fix on) with no seed repeats of its own: the reference with seed repeats
-    that is identical to it but in one of CONTRAST_KEYS (an fp32 control, or bf16 products by fp32 kernels, against the bf16 runs' band). What
-    that setting does is then read against what the data order alone does, as the bug's c_eff is.
+    that is identical to it but in one of CONTRAST_KEYS (an fp32 control, or bf16 products by fp32 kernels,
+    against the bf16 runs' band). What that setting does is then read against what the data order alone does,
+    as the bug's c_eff is.
     {run: (that reference, the key they differ in)}."""
     siblings, references = seed_siblings(runs), runs[is_reference(runs)]
     is_banded = references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)
@@ -305,18 +319,19 @@ def seed_curves(curves: pd.DataFrame, seeds: list[str], metric: str) -> pd.DataF
 
 def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
     """Every run against its reference (or the run the theory calls it equal to, or the banded run it contrasts in
-    one CONTRAST_KEYS setting), read in units of the seed band: at the last step both logged `metric`,
+    one CONTRAST_KEYS setting, or for a run at c_eff != 1 with none of these, the banded run it would repair to:
+    the same but for eps), read in units of the seed band: at the last step both logged `metric`,
     the difference run - reference, the sample standard deviation of the metric over the reference's seed
     siblings there (at least 2 seeds), and the difference in units of it; also the largest |difference| / std
     over all the steps they share. Rows only where the band exists."""
     siblings = seed_siblings(runs)
-    # the reference: the same run at scale 1 with the fix on, else the c_eff = 1 run the theory calls it equal
-    # to (an eps / N repair of the bug: AdamW(c, eps) == AdamW(1, eps / c)), else the banded run it contrasts
     equivalents = dict(zip(*equivalent_references(runs)[["run", "equivalent"]].to_numpy().T)) if len(runs) else {}
     contrasts = {run: reference for run, (reference, _) in contrast_references(runs).items()}
+    repaired = _repair_targets(runs, siblings)
     rows = []
     for r, paired in zip(runs.itertuples(), pair_references(runs)):
-        reference = paired if paired not in (None, r.run) else equivalents.get(r.run) or contrasts.get(r.run)
+        reference = (paired if paired not in (None, r.run) else
+                     equivalents.get(r.run) or contrasts.get(r.run) or repaired.get(r.run))
         if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
             continue
         for metric in metrics:
@@ -327,9 +342,19 @@ def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]
                 continue
             spread = seeds.loc[steps].std(axis=1, ddof=1)
             last = steps[-1]
-            rows.append({"run": r.run, "setup": r.setup, "c_eff": r.c_eff, "metric": metric, "step": int(last),
-                         "difference": delta[last], "seed std": spread[last], "seeds": seeds.shape[1],
-                         "difference / std": delta[last] / spread[last],
+            rows.append({"run": r.run, "reference": reference, "setup": r.setup, "c_eff": r.c_eff, "metric": metric,
+                         "step": int(last), "difference": delta[last], "seed std": spread[last],
+                         "seeds": seeds.shape[1], "difference / std": delta[last] / spread[last],
                          "max |difference| / std": (delta[steps].abs() / spread).max()})
-    return pd.DataFrame(rows, columns=["run", "setup", "c_eff", "metric", "step", "difference", "seed std", "seeds",
-                                       "difference / std", "max |difference| / std"])
+    return pd.DataFrame(rows, columns=["run", "reference", "setup", "c_eff", "metric", "step", "difference",
+                                       "seed std", "seeds", "difference / std", "max |difference| / std"])
+
+
+def _repair_targets(runs: pd.DataFrame, siblings: dict[str, list[str]]) -> dict[str, str]:
+    """For each run at c_eff != 1: the banded reference identical to it but for scale, fix and eps, the fixed run
+    an attempted repair of the bug by eps alone (eps / N where the loop clips) means to reproduce."""
+    keys = [k for k in PAIRING_KEYS if k != "eps"]
+    references = runs[is_reference(runs)]
+    banded = {_recipe(r, keys): r["run"] for _, r in references.iterrows() if len(siblings[r["run"]]) >= 2}
+    return {r["run"]: banded[_recipe(r, keys)] for _, r in _recipe_up_to_c(runs).iterrows()
+            if not np.isclose(r["c_eff"], 1.0) and _recipe(r, keys) in banded}
