@@ -535,6 +535,14 @@ def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
     band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
     assert band.loc["eps-only", "reference"] == "adamw-0.001-1"
     assert band.loc["eps-only", "difference / std"] == pytest.approx(2.0)
+    # the bug at another world size stands against the fixed run at this one: a reference's gradient is the
+    # global token mean however many ranks split the batch
+    n2 = {**eps_only, "run": "n2", "eps": 1e-8, "world_size": 2, "c_eff": 0.5}
+    runs = pd.concat([runs, pd.DataFrame([n2])], ignore_index=True)
+    curves = pd.concat([curves, pd.DataFrame([("n2", step, "eval/loss", 3.0 - 0.1 * step + 0.01) for step in range(5)],
+                                             columns=curves.columns)], ignore_index=True)
+    band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
+    assert band.loc["n2", "reference"] == "adamw-0.001-1" and band.loc["n2", "difference / std"] == pytest.approx(0.5)
     # one seed only: no band, no rows
     assert seed_band_table(runs[~runs.run.isin(["seed1", "seed2"])], curves, ["eval/loss"]).empty
 

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from gradscale.advice import BROKEN, DEFAULT_WORLD_SIZES, WITHIN, AdviseError, check_options
 from gradscale.analysis.load import curve, read_jsonl
-from gradscale.analysis.tables import pair_references
+from gradscale.analysis.tables import compared_references
 from gradscale.checks import CommandParser, installed
 from gradscale.optimizers import advisable
 from gradscale.optimizers import entry as optimizer_entry
@@ -227,17 +227,19 @@ def predicted_onset(h: Histogram, eps: float) -> float:
 
 
 def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFrame:
-    """Step by step, for every AdamW run at c_eff != 1 whose reference (same setup at c = 1) has histograms:
+    """Step by step, for every AdamW run at c_eff != 1 whose reference (same setup at c = 1, or the fixed run it
+    stands against at another world size: tables.compared_references) has histograms:
     the update-RMS ratio predicted from the reference's histogram of that step (and from its grad norms where it
     clips: multipliers), and the measured ratio of the two runs' train/update_rms. Columns: run, setup, c_eff,
     step, predicted, measured, error (relative)."""
-    references = pair_references(runs)
+    against, by_name = compared_references(runs), runs.set_index("run")
     paths = dict(zip(runs.run, runs.path))
     histograms: dict[str, tuple[float, dict, dict | None] | None] = {}
     rows = []
-    for i, r in zip(runs.index, runs.itertuples()):
-        ref = references[i]
-        if ref is None or r.optimizer not in advisable(whole_model=True) or np.isclose(r.c_eff, 1.0):
+    for r in runs.itertuples():
+        ref, contrast = against.get(r.run, (None, None))
+        if (ref is None or contrast is not None or r.optimizer not in advisable(whole_model=True)
+                or np.isclose(r.c_eff, 1.0) or not _same_optimizer_settings(r, by_name.loc[ref])):
             continue
         if ref not in histograms:
             try:
@@ -256,6 +258,12 @@ def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFram
                 rows.append({"run": r.run, "setup": r.setup, "c_eff": r.c_eff, "step": step, "predicted": predicted,
                              "measured": measured, "error": predicted / measured - 1})
     return pd.DataFrame(rows, columns=["run", "setup", "c_eff", "step", "predicted", "measured", "error"])
+
+
+def _same_optimizer_settings(run, reference) -> bool:
+    """The advisor predicts the bug at the reference's eps and max_norm: not a repair that changes them."""
+    eps, clip = reference["eps"], reference["clip"]  # a row: its .clip would be pandas' method
+    return run.eps == eps and (run.clip == clip or (pd.isna(run.clip) and pd.isna(clip)))
 
 
 TRUSTED = 0.05  # relative error of the predicted update ratio the comparison calls agreement

@@ -25,7 +25,7 @@ from matplotlib.patches import Patch
 
 from gradscale.analysis.load import curve
 from gradscale.analysis.tables import (
-    contrast_references,
+    compared_references,
     is_reference,
     max_divergence,
     one_percent_thresholds,
@@ -697,8 +697,8 @@ def lr_axis(runs: pd.DataFrame):
 
 
 def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"):
-    """By token-frequency bucket (gradscale/frequency.py), one panel each, against the reference run (scale 1,
-    fix on; for a contrast such as an fp32 control, the banded run it differs from: tables.contrast_references):
+    """By token-frequency bucket (gradscale/frequency.py), one panel each, each run against the fixed run it is
+    compared with (tables.compared_references: its reference, scale 1 with the fix on, or the run it stands for):
     the held-out loss of the bucket's targets minus the reference's (what="loss"), or the RMS of the
     update of the bucket's output-matrix rows over the reference's, at the eval steps (what="update"). With
     several optimizers, four panels per optimizer, sharing a y-axis only with each other: SGD's differences
@@ -713,9 +713,8 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
         "update": (output_update_rms_of, "update RMS of the output-matrix rows by how often the token is "
                    "trained: run over reference", "update RMS / reference's", 1.0),
     }[what]
-    by_name, contrasts = runs.set_index("run"), contrast_references(runs)
-    compared = [(r, reference, None) for r, reference in _paired(runs)] + [
-        (r, *contrasts[r.run]) for r in runs.itertuples() if r.run in contrasts]
+    by_name, against = runs.set_index("run"), compared_references(runs)
+    compared = [(r, *against[r.run]) for r in runs.itertuples() if r.run in against]
     optimizers = list(dict.fromkeys(r.optimizer for r, _, _ in compared)) or list(dict.fromkeys(runs.optimizer))
     several_optimizers = len(optimizers) > 1
 

@@ -317,22 +317,54 @@ def seed_curves(curves: pd.DataFrame, seeds: list[str], metric: str) -> pd.DataF
     return pd.concat({s: curve(curves, s, metric) for s in seeds}, axis=1).dropna()
 
 
-def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
-    """Every run against its reference (or the run the theory calls it equal to, or the banded run it contrasts in
-    one CONTRAST_KEYS setting, or for a run at c_eff != 1 with none of these, the banded run it would repair to:
-    the same but for eps), read in units of the seed band: at the last step both logged `metric`,
-    the difference run - reference, the sample standard deviation of the metric over the reference's seed
-    siblings there (at least 2 seeds), and the difference in units of it; also the largest |difference| / std
-    over all the steps they share. Rows only where the band exists."""
-    siblings = seed_siblings(runs)
+def compared_references(runs: pd.DataFrame) -> dict[str, tuple[str, str | None]]:
+    """Each run compared with a fixed run, and the run it is compared with: its reference (pair_references); else
+    the c_eff = 1 run the theory calls it equal to (equivalent_references: an eps / N repair of the bug); else,
+    for a reference without seed repeats of its own, the banded run it differs from in one of CONTRAST_KEYS (that
+    key comes second); else a banded stand-in (_stand_ins). {run: (reference, contrast key or None)}: what the
+    seed band table and the token-frequency figures read each run against."""
     equivalents = dict(zip(*equivalent_references(runs)[["run", "equivalent"]].to_numpy().T)) if len(runs) else {}
-    contrasts = {run: reference for run, (reference, _) in contrast_references(runs).items()}
-    repaired = _repair_targets(runs, siblings)
-    rows = []
+    contrasts, stand_ins = contrast_references(runs), _stand_ins(runs)
+    found = {}
     for r, paired in zip(runs.itertuples(), pair_references(runs)):
-        reference = (paired if paired not in (None, r.run) else
-                     equivalents.get(r.run) or contrasts.get(r.run) or repaired.get(r.run))
-        if reference is None or reference == r.run or len(siblings.get(reference, [])) < 2:
+        if paired not in (None, r.run):
+            found[r.run] = (paired, None)
+        elif r.run in equivalents:
+            found[r.run] = (equivalents[r.run], None)
+        elif r.run in contrasts:
+            found[r.run] = contrasts[r.run]
+        elif r.run in stand_ins:
+            found[r.run] = (stand_ins[r.run], None)
+    return found
+
+
+def _stand_ins(runs: pd.DataFrame) -> dict[str, str]:
+    """For a run at c_eff != 1: the banded reference identical to it but for scale and fix and for eps (the fixed
+    run an attempted repair by eps alone means to reproduce: eps / N where the loop clips), else for world_size
+    (a reference's gradient is the global token mean however many ranks split the batch: physics 1; only the
+    order of the sums differs)."""
+    siblings, references = seed_siblings(runs), runs[is_reference(runs)]
+    banded = references[references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)]
+    found = {}
+    for left_out in ("eps", "world_size"):
+        keys = [k for k in PAIRING_KEYS if k != left_out]
+        lookup = {_recipe(r, keys): r["run"] for _, r in banded.iterrows()}
+        for _, r in _recipe_up_to_c(runs).iterrows():
+            if not np.isclose(r["c_eff"], 1.0) and _recipe(r, keys) in lookup:
+                found.setdefault(r["run"], lookup[_recipe(r, keys)])
+    return found
+
+
+def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+    """Every run against the run it is compared with (compared_references), read in units of the seed band: at
+    the last step both logged `metric`, the difference run - reference, the sample standard deviation of the
+    metric over the reference's seed siblings there (at least 2 seeds), and the difference in units of it; also
+    the largest |difference| / std over all the steps they share. Rows only where the band exists."""
+    siblings, compared = seed_siblings(runs), compared_references(runs)
+    rows = []
+    for r in runs.itertuples():
+        reference, _ = compared.get(r.run, (None, None))
+        if reference is None or len(siblings.get(reference, [])) < 2:
             continue
         for metric in metrics:
             seeds = seed_curves(curves, siblings[reference], metric)
@@ -348,13 +380,3 @@ def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]
                          "max |difference| / std": (delta[steps].abs() / spread).max()})
     return pd.DataFrame(rows, columns=["run", "reference", "setup", "c_eff", "metric", "step", "difference",
                                        "seed std", "seeds", "difference / std", "max |difference| / std"])
-
-
-def _repair_targets(runs: pd.DataFrame, siblings: dict[str, list[str]]) -> dict[str, str]:
-    """For each run at c_eff != 1: the banded reference identical to it but for scale, fix and eps, the fixed run
-    an attempted repair of the bug by eps alone (eps / N where the loop clips) means to reproduce."""
-    keys = [k for k in PAIRING_KEYS if k != "eps"]
-    references = runs[is_reference(runs)]
-    banded = {_recipe(r, keys): r["run"] for _, r in references.iterrows() if len(siblings[r["run"]]) >= 2}
-    return {r["run"]: banded[_recipe(r, keys)] for _, r in _recipe_up_to_c(runs).iterrows()
-            if not np.isclose(r["c_eff"], 1.0) and _recipe(r, keys) in banded}
