@@ -532,8 +532,12 @@ def test_seed_band_reads_each_difference_in_units_of_the_seeds_spread():
     runs = pd.concat([clipped, pd.DataFrame([eps_only]), elsewhere], ignore_index=True)
     curves = pd.concat([curves, pd.DataFrame([("eps-only", step, "eval/loss", 3.0 - 0.1 * step + 0.04)
                                               for step in range(5)], columns=curves.columns)], ignore_index=True)
+    other_eps = {**eps_only, "run": "other-eps", "eps": 3e-9}  # no reference has its twin's eps, 2.4e-8
+    runs = pd.concat([runs, pd.DataFrame([other_eps])], ignore_index=True)
+    curves = pd.concat([curves, pd.DataFrame([("other-eps", step, "eval/loss", 3.0) for step in range(5)],
+                                             columns=curves.columns)], ignore_index=True)
     band = seed_band_table(runs, curves, ["eval/loss"]).set_index("run")
-    assert band.loc["eps-only", "reference"] == "adamw-0.001-1"
+    assert band.loc["eps-only", "reference"] == "adamw-0.001-1" and "other-eps" not in band.index
     assert band.loc["eps-only", "difference / std"] == pytest.approx(2.0)
     # the bug at another world size stands against the fixed run at this one: a reference's gradient is the
     # global token mean however many ranks split the batch

@@ -153,23 +153,27 @@ def test_the_advisor_meets_eps_at_the_multiplier_clipping_hands_adam(folders, ru
 def test_the_report_reads_eps_dominated_shares_at_the_multiplier_sqrt_v_carries(folders):
     """In case (a) the bug hands Adam the fixed run's gradient: at c = 1/N, sqrt(v_hat) carries 1 and eps
     dominates no more coordinates than at c = 1. Read at c itself (the loop's clipping left out), it would."""
-    from gradscale.analysis.advise import carried_multiplier
+    from gradscale.analysis.advise import handed_multipliers
     from gradscale.analysis.load import load
     from gradscale.analysis.tables import eps_share_table
 
     runs, _ = load([folders["fixed_always"]])
-    shares = eps_share_table(runs, carried_multiplier)
+    shares = eps_share_table(runs, handed_multipliers)
     assert (shares["c=1/8"] == shares["c=1"]).all()
-    assert shares["multiplier sqrt(v_hat) carries"].str.startswith("1/8: 1, ").all()
+    assert shares["handed multiplier"].str.startswith("1/8: 1, ").all()
     blind = eps_share_table(runs)
-    assert (blind["c=1/1024"] > shares["c=1/1024"]).any() and "multiplier sqrt(v_hat) carries" not in blind
+    assert (blind["c=1/1024"] > shares["c=1/1024"]).any() and "handed multiplier" not in blind
 
 
 def test_the_report_pairs_the_repair_with_the_fixed_run_and_not_eps_alone(folders):
+    """The theory's twin of the bug clipped at M is eps / N with max_norm M / N, not eps / N alone; and the advisor,
+    which predicts the bug at the reference's eps and max_norm, is compared with the bug's run only."""
+    from gradscale.analysis.advise import advisor_vs_measured
     from gradscale.analysis.load import load
     from gradscale.analysis.tables import equivalent_references
 
-    runs, _ = load([folders[name] for name in ("fixed", "bug", "repair", "eps_only")])
+    runs, curves = load([folders[name] for name in ("fixed", "bug", "repair", "eps_only")])
     names = dict(zip(runs.path, runs.run))
     pairs = {(r.run, r.equivalent) for r in equivalent_references(runs).itertuples()}
     assert pairs == {(names[str(folders["repair"])], names[str(folders["fixed"])])}
+    assert set(advisor_vs_measured(runs, curves).run) == {names[str(folders["bug"])]}

@@ -135,10 +135,14 @@ def multipliers(clip: dict | None, c: float, step: int) -> tuple[float, float]:
             float(clipped_update_ratio(norms, c, clip["max_norm"], **shape)[-1]))
 
 
-def carried_multiplier(run_dir: str | Path, c: float, step: int) -> float:
-    """The multiplier the run's sqrt(v_hat) would carry at multiplier c by this step: c, or where the run clips,
-    that of the gradient clipping hands Adam (multipliers)."""
-    return multipliers(clipping(Path(run_dir), []), c, step)[0]
+def handed_multipliers(run_dir: str | Path, scales: list[float], step: int) -> list[float] | None:
+    """For each multiplier c, the multiplier the run's sqrt(v_hat) would carry by this step: that of the gradient
+    clipping hands Adam (multipliers), c where the run does not clip; None where it clips but logged no grad norm."""
+    try:
+        clip = clipping(Path(run_dir), [])
+    except AdviseError:
+        return None
+    return [multipliers(clip, c, step)[0] for c in scales]
 
 
 def logged_gaps(steps: list[int]) -> np.ndarray:
@@ -237,9 +241,9 @@ def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFram
     histograms: dict[str, tuple[float, dict, dict | None] | None] = {}
     rows = []
     for r in runs.itertuples():
-        ref, contrast = against.get(r.run, (None, None))
-        if (ref is None or contrast is not None or r.optimizer not in advisable(whole_model=True)
-                or np.isclose(r.c_eff, 1.0) or not _same_optimizer_settings(r, by_name.loc[ref])):
+        ref, _ = against.get(r.run, (None, None))
+        if (ref is None or r.optimizer not in advisable(whole_model=True) or np.isclose(r.c_eff, 1.0)
+                or not _same_optimizer_settings(r, by_name.loc[ref])):
             continue
         if ref not in histograms:
             try:

@@ -16,9 +16,10 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from gradscale.analysis.advise import advisor_summary, advisor_vs_measured, carried_multiplier, predicted_onsets
+from gradscale.analysis.advise import advisor_summary, advisor_vs_measured, handed_multipliers, predicted_onsets
 from gradscale.analysis.load import load, logged_group
 from gradscale.analysis.tables import (
+    compared_references,
     eps_share_table,
     equivalence_table,
     measured_bands,
@@ -41,6 +42,7 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame, advisor: pd.DataFrame) ->
     from gradscale.analysis import plots  # matplotlib: the report extra
     paired = pair_references(runs)
     has_pairs = any(ref is not None and ref != run for ref, run in zip(paired, runs.run))
+    compared = bool(compared_references(runs))  # pairs, and the runs read against a twin, contrast or stand-in
     adam = (curves.metric == EPS_DOMINATED).any()
     lrs_per_opt = runs.groupby("setup").lr.nunique().max()
     c_per_opt = runs.groupby("setup").c_eff.nunique().max()
@@ -66,9 +68,9 @@ def _figures(runs: pd.DataFrame, curves: pd.DataFrame, advisor: pd.DataFrame) ->
          else None, "needs at least 2 learning rates and 2 values of c_eff for one setup"),
         ("adam_state", (lambda: plots.adam_state(runs, curves)) if adam else None, "no Adam-type runs"),
         ("lr_axis", (lambda: plots.lr_axis(runs)) if lrs_per_opt > 1 else None, "no lr axis: one lr per setup"),
-        ("token_frequency_loss", (lambda: plots.token_frequency(runs, curves, "loss")) if buckets and has_pairs
+        ("token_frequency_loss", (lambda: plots.token_frequency(runs, curves, "loss")) if buckets and compared
          else None, no_buckets if not buckets else no_ref),
-        ("token_frequency_update", (lambda: plots.token_frequency(runs, curves, "update")) if buckets and has_pairs
+        ("token_frequency_update", (lambda: plots.token_frequency(runs, curves, "update")) if buckets and compared
          else None, no_buckets if not buckets else no_ref),
         ("advisor_along_run", (lambda: plots.advisor_along_run(advisor, runs)) if len(advisor) else None,
          "no AdamW run beside a reference with sqrt(v_hat) histograms (adam_stats_every)"),
@@ -104,7 +106,7 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         print(f"wrote {path}")
     summary = summary_table(runs, curves)
     theory, equivalences = theory_table(runs, curves), equivalence_table(runs, curves)
-    eps_shares = eps_share_table(runs, carried_multiplier)
+    eps_shares = eps_share_table(runs, handed_multipliers)
     band = seed_band_table(runs, curves, [EVAL_LOSS, *(eval_loss_of(b) for b in BUCKETS)])
     run_columns = ["run", "model", "setup", "lr", "eps", "scale", "fix", "world_size", "c_eff", "status", "final_loss",
                    "best_eval_loss", "steps_done"]
@@ -124,7 +126,7 @@ def write_report(paths: list[str | Path], out: Path) -> tuple[Path, list[Path]]:
         "'at most 1%', 0.99 'at least 99%')." + (
             " Where the loop clips, sqrt(v_hat) carries not 1/N but the multiplier of the clipped gradient Adam "
             "is handed, from the reference's grad norms up to that step (docs/design.md physics 13, 'Where eps "
-            "comes in'), and c stands for it; the last column gives it per N."
+            "comes in'): the c= columns are read at it, and the last column gives it per N."
             if runs["clip"].notna().any() else ""), "",
         _markdown(eps_shares) if len(eps_shares) else "No Adam-type reference run with statistics.", "",
         "## Advisor vs measured", "",

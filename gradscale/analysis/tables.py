@@ -188,12 +188,13 @@ GROUP_MULTIPLIERS = (1.0, 1 / 8, 1 / 64, 1 / 1024)  # c = 1, and the bug at worl
 
 
 def eps_share_table(runs: pd.DataFrame,
-                    carried: Callable[[str, float, int], float] | None = None) -> pd.DataFrame:
+                    handed: Callable[[str, list[float], int], list[float] | None] | None = None) -> pd.DataFrame:
     """Per Adam-type reference run and tensor group, the share of coordinates with m s < eps at the run's
     last recorded step, for c = 1 and the world-size bug at N = 8, 64, 1024 (interpolated from each
     tensor's measured sqrt(v_hat) quantiles: theory.share_below; 1% and 99% are bounds). m is the multiplier
-    sqrt(v_hat) carries at c: c itself, or where the run clips, carried(run path, c, step) (the handed
-    gradient's, physics 13: advise.carried_multiplier); the table then says m per N."""
+    sqrt(v_hat) carries at c: c itself, or where the run clips, the handed gradient's (physics 13), from
+    handed(run path, the c's, step) (advise.handed_multipliers; None where the run logged no grad norm: then c,
+    and the table says so); the table then gives m per N."""
     rows = []
     for r in runs[is_reference(runs) & ~runs.eps.isna()].drop_duplicates("setup").itertuples():
         stats = pd.DataFrame(read_jsonl(Path(r.path) / "adam_stats.jsonl"))
@@ -202,17 +203,19 @@ def eps_share_table(runs: pd.DataFrame,
         last = stats[stats.step == stats.step.max()]
         last = last.assign(group=last.tensor.map(tensor_group))
         step = int(last.step.iloc[0])
-        clipped = r.clip is not None and carried is not None
-        seen = {c: carried(r.path, c, step) if clipped else c for c in GROUP_MULTIPLIERS}
+        clips = handed is not None and not pd.isna(r.clip)
+        multipliers = handed(r.path, list(GROUP_MULTIPLIERS), step) if clips else None
+        seen = dict(zip(GROUP_MULTIPLIERS, multipliers or GROUP_MULTIPLIERS))
         for group, tensors in last.groupby("group"):
             row = {"setup": r.setup, "model": r.model, "step": step, "group": group,
                    "coordinates": int(tensors.numel.sum())}
             for c in GROUP_MULTIPLIERS:
                 shares = [share_below(t._asdict(), r.eps / seen[c]) for t in tensors.itertuples()]
                 row[f"c={_short_c(c)}"] = float(np.average(shares, weights=tensors.numel))
-            if clipped:
-                row["multiplier sqrt(v_hat) carries"] = ", ".join(
-                    f"{_short_c(c)}: {short_number(seen[c], 2)}" for c in GROUP_MULTIPLIERS[1:])
+            if clips:
+                row["handed multiplier"] = ", ".join(
+                    f"{_short_c(c)}: {short_number(seen[c], 2)}" for c in GROUP_MULTIPLIERS[1:]) if multipliers \
+                    else "no grad norms logged: read at c"
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -318,12 +321,16 @@ def seed_curves(curves: pd.DataFrame, seeds: list[str], metric: str) -> pd.DataF
 
 
 def compared_references(runs: pd.DataFrame) -> dict[str, tuple[str, str | None]]:
-    """Each run compared with a fixed run, and the run it is compared with: its reference (pair_references); else
+    """For each run that has one, the fixed run it is read against: its reference (pair_references); else
     the c_eff = 1 run the theory calls it equal to (equivalent_references: an eps / N repair of the bug); else,
     for a reference without seed repeats of its own, the banded run it differs from in one of CONTRAST_KEYS (that
     key comes second); else a banded stand-in (_stand_ins). {run: (reference, contrast key or None)}: what the
     seed band table and the token-frequency figures read each run against."""
-    equivalents = dict(zip(*equivalent_references(runs)[["run", "equivalent"]].to_numpy().T)) if len(runs) else {}
+    siblings = seed_siblings(runs)
+    equivalents: dict[str, str] = {}
+    for run, twin in equivalent_references(runs)[["run", "equivalent"]].itertuples(index=False):
+        if run not in equivalents or len(siblings.get(twin, [])) > len(siblings.get(equivalents[run], [])):
+            equivalents[run] = twin  # of several twins, the one with the most seed repeats (a banded reference)
     contrasts, stand_ins = contrast_references(runs), _stand_ins(runs)
     found = {}
     for r, paired in zip(runs.itertuples(), pair_references(runs)):
@@ -339,20 +346,38 @@ def compared_references(runs: pd.DataFrame) -> dict[str, tuple[str, str | None]]
 
 
 def _stand_ins(runs: pd.DataFrame) -> dict[str, str]:
-    """For a run at c_eff != 1: the banded reference identical to it but for scale and fix and for eps (the fixed
-    run an attempted repair by eps alone means to reproduce: eps / N where the loop clips), else for world_size
-    (a reference's gradient is the global token mean however many ranks split the batch: physics 1; only the
-    order of the sums differs)."""
+    """For a run at c_eff != 1 with neither a reference nor a twin: the one banded reference it stands against,
+    identical to it but for scale and fix and either for eps, the run's being the twin rule's (a repair by eps
+    alone, eps / N where the loop clips: the fixed run it means to reproduce), or for world_size (a reference's
+    gradient is the global token mean however many ranks split the batch: physics 1; only the order of the sums
+    differs). A run that differs in both, or matches several, has none."""
     siblings, references = seed_siblings(runs), runs[is_reference(runs)]
     banded = references[references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)]
-    found = {}
+    found: dict[str, str] = {}
     for left_out in ("eps", "world_size"):
         keys = [k for k in PAIRING_KEYS if k != left_out]
-        lookup = {_recipe(r, keys): r["run"] for _, r in banded.iterrows()}
+        candidates: dict[tuple, list[str]] = {}
+        for _, r in banded.iterrows():
+            candidates.setdefault(_recipe(r, PAIRING_KEYS if left_out == "eps" else keys), []).append(r["run"])
         for _, r in _recipe_up_to_c(runs).iterrows():
-            if not np.isclose(r["c_eff"], 1.0) and _recipe(r, keys) in lookup:
-                found.setdefault(r["run"], lookup[_recipe(r, keys)])
+            if np.isclose(r["c_eff"], 1.0) or r["run"] in found:
+                continue
+            if left_out == "eps":  # the eps its twin would have: a repair by eps alone lands on the reference's
+                eps_power = [power for key, power in optimizer_entry(r["optimizer"]).scale_rule.twin if key != "lr"]
+                if not eps_power or pd.isna(r["eps"]):
+                    continue
+                r = r.copy()
+                r["eps"] = twin_value(r["eps"], r["c_eff"], eps_power[0])
+            matches = [run for recipe, group in candidates.items() for run in group
+                       if _same_recipe(recipe, _recipe(r, PAIRING_KEYS if left_out == "eps" else keys))]
+            if len(matches) == 1:
+                found[r["run"]] = matches[0]
     return found
+
+
+def _same_recipe(a: tuple, b: tuple) -> bool:
+    """Two recipes equal, their numbers to 1e-6 relative (a twin's eps is computed)."""
+    return all(_same_number(x, y) if isinstance(y, float) else x == y for x, y in zip(a, b))
 
 
 def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
