@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from gradscale.advice import BROKEN, DEFAULT_WORLD_SIZES, WITHIN, AdviseError, check_options
 from gradscale.analysis.load import curve, read_jsonl
-from gradscale.analysis.tables import compared_references
+from gradscale.analysis.tables import compared_references, same_number
 from gradscale.checks import CommandParser, installed
 from gradscale.optimizers import advisable
 from gradscale.optimizers import entry as optimizer_entry
@@ -266,8 +266,8 @@ def advisor_vs_measured(runs: pd.DataFrame, curves: pd.DataFrame) -> pd.DataFram
 
 def _same_optimizer_settings(run, reference) -> bool:
     """The advisor predicts the bug at the reference's eps and max_norm: not a repair that changes them."""
-    eps, clip = reference["eps"], reference["clip"]  # a row: its .clip would be pandas' method
-    return run.eps == eps and (run.clip == clip or (pd.isna(run.clip) and pd.isna(clip)))
+    # reference is a row, whose .clip is pandas' method: index it
+    return same_number(run.eps, reference["eps"]) and same_number(run.clip, reference["clip"])
 
 
 TRUSTED = 0.05  # relative error of the predicted update ratio the comparison calls agreement

@@ -362,6 +362,8 @@ def loss_curves(runs: pd.DataFrame, curves: pd.DataFrame, metric: str = TRAIN_LO
 
 
 def _paired(runs: pd.DataFrame):
+    """(run, its reference) for runs with a reference (same config at scale 1, fix on): the pairs the divergence
+    and grad-norm-ratio figures draw. Only token_frequency reads runs against the wider compared_references."""
     references = pair_references(runs)
     return [(r, references[i]) for i, r in zip(runs.index, runs.itertuples())
             if references[i] is not None and references[i] != r.run]

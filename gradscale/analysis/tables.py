@@ -112,7 +112,7 @@ def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
             shown.append((key, getattr(r, column), wanted[column]))
         if clips:
             shown.append(("max_norm", r.clip, wanted["clip"]))
-        match = np.logical_and.reduce([unit[column].map(lambda v, value=value: _same_number(v, value)).to_numpy(bool)
+        match = np.logical_and.reduce([unit[column].map(lambda v, value=value: same_number(v, value)).to_numpy(bool)
                                        for column, value in wanted.items()])
         c = short_number(r.c_eff)
         if [key for key, _, _ in shown] == ["lr"]:
@@ -132,7 +132,7 @@ def equivalent_references(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["run", "equivalent", "rule"])
 
 
-def _same_number(value, wanted) -> bool:
+def same_number(value, wanted) -> bool:
     """Equal to 1e-6 relative, None and NaN (no eps, no clipping) equal to each other."""
     if wanted is None or pd.isna(wanted):
         return value is None or pd.isna(value)
@@ -296,13 +296,14 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
 CONTRAST_KEYS = ("precision", "bf16_matmul")
 
 
-def contrast_references(runs: pd.DataFrame) -> dict[str, tuple[str, str]]:
+def contrast_references(runs: pd.DataFrame, siblings: dict[str, list[str]] | None = None) -> dict[str, tuple[str, str]]:
     """For a reference run (scale 1, fix on) with no seed repeats of its own: the reference with seed repeats
     that is identical to it but in one of CONTRAST_KEYS (an fp32 control, or bf16 products by fp32 kernels,
     against the bf16 runs' band). What that setting does is then read against what the data order alone does,
     as the bug's c_eff is.
-    {run: (that reference, the key they differ in)}."""
-    siblings, references = seed_siblings(runs), runs[is_reference(runs)]
+    {run: (that reference, the key they differ in)}. siblings: seed_siblings(runs), where the caller has it."""
+    siblings = seed_siblings(runs) if siblings is None else siblings
+    references = runs[is_reference(runs)]
     is_banded = references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)
     found = {}
     for key in CONTRAST_KEYS:  # the same in every other setting (seed too) and not a seed sibling: differs in key
@@ -331,7 +332,7 @@ def compared_references(runs: pd.DataFrame) -> dict[str, tuple[str, str | None]]
     for run, twin in equivalent_references(runs)[["run", "equivalent"]].itertuples(index=False):
         if run not in equivalents or len(siblings.get(twin, [])) > len(siblings.get(equivalents[run], [])):
             equivalents[run] = twin  # of several twins, the one with the most seed repeats (a banded reference)
-    contrasts, stand_ins = contrast_references(runs), _stand_ins(runs)
+    contrasts, stand_ins = contrast_references(runs, siblings), _stand_ins(runs, siblings)
     found = {}
     for r, paired in zip(runs.itertuples(), pair_references(runs)):
         if paired not in (None, r.run):
@@ -345,13 +346,13 @@ def compared_references(runs: pd.DataFrame) -> dict[str, tuple[str, str | None]]
     return found
 
 
-def _stand_ins(runs: pd.DataFrame) -> dict[str, str]:
+def _stand_ins(runs: pd.DataFrame, siblings: dict[str, list[str]]) -> dict[str, str]:
     """For a run at c_eff != 1 with neither a reference nor a twin: the one banded reference it stands against,
     identical to it but for scale and fix and either for eps, the run's being the twin rule's (a repair by eps
     alone, eps / N where the loop clips: the fixed run it means to reproduce), or for world_size (a reference's
     gradient is the global token mean however many ranks split the batch: physics 1; only the order of the sums
-    differs). A run that differs in both, or matches several, has none."""
-    siblings, references = seed_siblings(runs), runs[is_reference(runs)]
+    differs). A run that differs in both, or matches several, has none. siblings: seed_siblings(runs)."""
+    references = runs[is_reference(runs)]
     banded = references[references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)]
     found: dict[str, str] = {}
     for left_out in ("eps", "world_size"):
@@ -377,7 +378,7 @@ def _stand_ins(runs: pd.DataFrame) -> dict[str, str]:
 
 def _same_recipe(a: tuple, b: tuple) -> bool:
     """Two recipes equal, their numbers to 1e-6 relative (a twin's eps is computed)."""
-    return all(_same_number(x, y) if isinstance(y, float) else x == y for x, y in zip(a, b))
+    return all(same_number(x, y) if isinstance(y, float) else x == y for x, y in zip(a, b))
 
 
 def seed_band_table(runs: pd.DataFrame, curves: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
