@@ -593,6 +593,20 @@ def test_token_frequency_loss_shades_two_seed_standard_deviations_around_the_ref
     runs_without_repeats = runs[runs.seed == 0]
     assert not [c for ax in plots.token_frequency(runs_without_repeats, curves, "loss").axes
                 for c in ax.collections if c.get_gid() == "seed band"]
+    # a second banded reference (clipped, two seeds) shares the panels: each band its own fill and legend entry
+    clipped = runs[runs.scale == 1.0].assign(clip=4.2, setup="adamw clip=4.2")
+    clipped = clipped.assign(run=[f"clipped-seed{seed}" for seed in clipped.seed])
+    clipped_bug = runs[runs.scale == 8.0].assign(clip=4.2, setup="adamw clip=4.2", run="clipped-8")
+    rows = [(f"clipped-seed{seed}", step, "eval/loss_rare", 3.0 + 0.02 * seed) for seed in (0, 1) for step in (2, 4)]
+    rows += [("clipped-8", step, "eval/loss_rare", 3.1) for step in (2, 4)]
+    fig = plots.token_frequency(pd.concat([runs, clipped[clipped.seed < 2], clipped_bug], ignore_index=True),
+                                pd.concat([curves, pd.DataFrame(rows, columns=curves.columns)], ignore_index=True))
+    rare = next(ax for ax in fig.axes if ax.get_title().startswith("rare"))
+    bands = [c for c in rare.collections if c.get_gid() == "seed band"]
+    assert len(bands) == 2 and bands[0].get_hatch() != bands[1].get_hatch()
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert [t for t in legend if t.startswith("±2 seed standard deviations around adamw (3 seeds")]
+    assert [t for t in legend if t.startswith("±2 seed standard deviations around adamw clip=4.2 (2 seeds")]
 
 
 def test_a_setup_without_a_reference_gets_no_empty_panel_and_seed_repeats_stay_off_the_eps_curve():

@@ -737,16 +737,24 @@ def token_frequency(runs: pd.DataFrame, curves: pd.DataFrame, what: str = "loss"
         seeds = siblings.get(reference, [])
         optimizer = by_name.loc[reference, "optimizer"]
         if what == "loss" and len(seeds) >= 2 and reference not in banded:  # what the data order alone does
-            banded[reference] = len(seeds)
+            look = SEED_BAND_LOOKS[len(banded) % len(SEED_BAND_LOOKS)]  # bands that overlap stay told apart
+            banded[reference] = (len(seeds), look)
             for bucket in BUCKETS:
                 spread = seed_curves(curves, seeds, metric(bucket)).std(axis=1, ddof=1)
-                plot.axes[panel(optimizer, bucket)].fill_between(spread.index, -2 * spread, 2 * spread, color="0.88",
-                                                                 lw=0, zorder=0, gid="seed band")
+                plot.axes[panel(optimizer, bucket)].fill_between(spread.index, -2 * spread, 2 * spread, lw=0,
+                                                                 zorder=0, gid="seed band", **look)
     for ax in plot.axes.values():
         ax.axhline(level, color="0.5", lw=0.8, ls=":", gid="level")
-    band = [Patch(color="0.88", label=f"±2 seed standard deviations around the reference ({n} seeds: the data "
-                                      "order alone)") for n in sorted(set(banded.values()))]
+    around = {reference: "the reference" if len(banded) == 1 else by_name.loc[reference, "setup"]
+              for reference in banded}
+    band = [Patch(**look, label=f"±2 seed standard deviations around {around[reference]} ({n} seeds: the data "
+                                "order alone)") for reference, (n, look) in banded.items()]
     return plot.finish("step", ylabel, band)
+
+
+# the seed bands' fills, in the order they are drawn: grey, then hatched, so that overlapping bands stay apart
+SEED_BAND_LOOKS = ({"facecolor": "0.88"}, {"facecolor": "none", "edgecolor": "0.6", "hatch": "////"},
+                   {"facecolor": "none", "edgecolor": "0.6", "hatch": "\\\\"})
 
 
 def advisor_along_run(advisor: pd.DataFrame, runs: pd.DataFrame):
