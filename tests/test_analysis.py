@@ -281,6 +281,8 @@ def test_eps_collapse_and_clipping_figures():
     assert plots.clipped_steps_label(SimpleNamespace(clipped_steps=1, steps_done=600)) == "1 of 600 steps (0.2%)"
     assert plots.clipped_steps_label(SimpleNamespace(clipped_steps=599, steps_done=600)) == "599 of 600 steps (99.8%)"
     assert plots.clipped_steps_label(SimpleNamespace(clipped_steps=0, steps_done=600)) == "0 of 600 steps (0%)"
+    unfinished = SimpleNamespace(clipped_steps=float("nan"), steps_done=float("nan"))
+    assert plots.clipped_steps_label(unfinished) == "? steps (no summary.json: the run has not finished)"
 
 
 def test_torn_last_line_is_tolerated(tmp_path):
@@ -800,3 +802,12 @@ def test_a_legend_lists_only_what_is_drawn():
     plots._legend(fig, [matplotlib.patches.Patch(color="#123456", label="a band not drawn")])
     fig.legends[:] = fig.legends[1:]
     assert undrawn_swatches(fig) == ["a band not drawn"]
+
+
+def test_a_long_setup_name_wraps_within_its_panel_title():
+    runs, curves = synthetic(c_values=(1.0, 8.0), optimizers=("sgd", "adamw"))
+    long = "adamw eps=1e-8 clip=1 bf16_matmul=auto precision=bf16"  # wider than a panel at the title's size
+    runs = runs.assign(setup=runs.setup.map({"sgd": "sgd", "adamw": long}))
+    titles = [ax.get_title() for ax in plots.loss_curves(runs, curves).axes if ax.get_visible()]
+    assert titles[0] == "sgd"
+    assert titles[1].replace("\n", " ") == long and all(len(line) <= 33 for line in titles[1].split("\n"))

@@ -121,8 +121,9 @@ class CurveFigure:
         return line
 
     def finish(self, xlabel: str, ylabel: str, extra_handles=()) -> Figure:
+        fits = int(self.fig.get_figwidth() / min(len(self.axes), 2) * 8.5)  # characters of a panel's title
         for name, ax in self.axes.items():
-            ax.set(title=name, xlabel=xlabel)
+            ax.set(title=textwrap.fill(name, fits), xlabel=xlabel)  # long setups would run into the next panel
             note = _panel_note([s for (key, _), s in self.drawn.items() if key == name])
             if note:
                 ax.text(0.98, 0.95, note, transform=ax.transAxes, ha="right", va="top", fontsize=8.5,
@@ -568,6 +569,8 @@ def clipping(runs: pd.DataFrame, curves: pd.DataFrame):
 def clipped_steps_label(run) -> str:
     """'n of N steps (p%)' from the run's summary (every step, not only the logged ones); a share that is neither 0
     nor 1 never reads as 0% or 100%."""
+    if pd.isna(run.clipped_steps):
+        return "? steps (no summary.json: the run has not finished)"
     if not run.steps_done:
         return "no steps"
     share = run.clipped_steps / run.steps_done
