@@ -609,6 +609,7 @@ def test_token_frequency_loss_shades_two_seed_standard_deviations_around_the_ref
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert [t for t in legend if t.startswith("±2 seed standard deviations around adamw (3 seeds")]
     assert [t for t in legend if t.startswith("±2 seed standard deviations around adamw clip=4.2 (2 seeds")]
+    assert undrawn_swatches(fig) == []
 
 
 def test_a_setup_without_a_reference_gets_no_empty_panel_and_seed_repeats_stay_off_the_eps_curve():
