@@ -682,9 +682,9 @@ def run_looks(fig) -> dict[str, tuple]:
 
 def undrawn_swatches(fig) -> list[str]:
     """Legend entries whose swatch matches nothing drawn: a coloured one (a run's) no artist in its colour, a
-    band's (a patch, or a line 5 points wide or more) no shaded area in its colour; a black or grey one (a key
-    to a shape: the x of a diverged run, the dotted c_eff, the hollow floor marker, drawn in each run's colour)
-    no line with its line style, marker or hollow marker."""
+    band's (a patch, or a line 5 points wide or more) no shaded area in its colour (a hatched one: in its
+    hatch); a black or grey one (a key to a shape: the x of a diverged run, the dotted c_eff, the hollow floor
+    marker, drawn in each run's colour) no line with its line style, marker or hollow marker."""
     def color(c) -> str:
         return matplotlib.colors.to_hex(c, keep_alpha=False)
 
@@ -698,6 +698,7 @@ def undrawn_swatches(fig) -> list[str]:
         colours |= {color(line.get_color()) for line in lines} | {color(line.get_markeredgecolor()) for line in lines}
         shaded |= {color(patch.get_facecolor()) for patch in ax.patches}
         shaded |= {color(fc) for c in ax.collections for fc in c.get_facecolor()}
+        shaded |= {("hatch", c.get_hatch()) for c in ax.collections if c.get_hatch()}  # an unfilled band
         drawn_shapes |= {shape for line in lines for shape in shapes(line)}
     missing = []
     for handle, text in zip(fig.legends[0].legend_handles, fig.legends[0].get_texts()):
@@ -706,6 +707,8 @@ def undrawn_swatches(fig) -> list[str]:
                 continue  # text alone: a note
             rgb = matplotlib.colors.to_rgb(handle.get_color())
             drawn = shapes(handle) & drawn_shapes if max(rgb) == min(rgb) else {color(handle.get_color())} & colours
+        elif isinstance(handle, matplotlib.patches.Patch) and handle.get_hatch():
+            drawn = {("hatch", handle.get_hatch())} & shaded
         else:
             drawn = {color(handle.get_color() if isinstance(handle, matplotlib.lines.Line2D)
                            else handle.get_facecolor())} & shaded
