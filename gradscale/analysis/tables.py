@@ -296,13 +296,12 @@ def seed_siblings(runs: pd.DataFrame) -> dict[str, list[str]]:
 CONTRAST_KEYS = ("precision", "bf16_matmul")
 
 
-def contrast_references(runs: pd.DataFrame, siblings: dict[str, list[str]] | None = None) -> dict[str, tuple[str, str]]:
+def contrast_references(runs: pd.DataFrame, siblings: dict[str, list[str]]) -> dict[str, tuple[str, str]]:
     """For a reference run (scale 1, fix on) with no seed repeats of its own: the reference with seed repeats
     that is identical to it but in one of CONTRAST_KEYS (an fp32 control, or bf16 products by fp32 kernels,
     against the bf16 runs' band). What that setting does is then read against what the data order alone does,
     as the bug's c_eff is.
-    {run: (that reference, the key they differ in)}. siblings: seed_siblings(runs), where the caller has it."""
-    siblings = seed_siblings(runs) if siblings is None else siblings
+    {run: (that reference, the key they differ in)}. siblings: seed_siblings(runs)."""
     references = runs[is_reference(runs)]
     is_banded = references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)
     found = {}
@@ -356,10 +355,11 @@ def _stand_ins(runs: pd.DataFrame, siblings: dict[str, list[str]]) -> dict[str, 
     banded = references[references.run.map(lambda run: len(siblings[run]) >= 2).astype(bool)]
     found: dict[str, str] = {}
     for left_out in ("eps", "world_size"):
-        keys = [k for k in PAIRING_KEYS if k != left_out]
+        # eps stays a key, compared at the value the twin rule gives the run's eps
+        keys = PAIRING_KEYS if left_out == "eps" else [k for k in PAIRING_KEYS if k != left_out]
         candidates: dict[tuple, list[str]] = {}
         for _, r in banded.iterrows():
-            candidates.setdefault(_recipe(r, PAIRING_KEYS if left_out == "eps" else keys), []).append(r["run"])
+            candidates.setdefault(_recipe(r, keys), []).append(r["run"])
         for _, r in _recipe_up_to_c(runs).iterrows():
             if np.isclose(r["c_eff"], 1.0) or r["run"] in found:
                 continue
@@ -369,8 +369,8 @@ def _stand_ins(runs: pd.DataFrame, siblings: dict[str, list[str]]) -> dict[str, 
                     continue
                 r = r.copy()
                 r["eps"] = twin_value(r["eps"], r["c_eff"], eps_power[0])
-            matches = [run for recipe, group in candidates.items() for run in group
-                       if _same_recipe(recipe, _recipe(r, PAIRING_KEYS if left_out == "eps" else keys))]
+            mine = _recipe(r, keys)
+            matches = [run for recipe, group in candidates.items() for run in group if _same_recipe(recipe, mine)]
             if len(matches) == 1:
                 found[r["run"]] = matches[0]
     return found
